@@ -1,0 +1,197 @@
+"""The model suite shared by the demo, the benchmarks and the end-to-end tests.
+
+Small, dependency-free definitions of the model families gpuautograd must cover: an MLP, a small
+CNN, a GPT-style block (layer norm, causal attention, GELU MLP) and a Llama-style block (RMSNorm
+written as pow/mean/rsqrt, SiLU-gated MLP). Each `make_*` returns (model, make_batch, loss_fn).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=32, hidden=64, d_out=10, dropout=0.1):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, d_out)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = self.drop(F.relu(self.fc1(x)))
+        x = F.gelu(self.fc2(x), approximate="tanh")
+        x = torch.tanh(x) + torch.sigmoid(x) * F.silu(x)
+        return self.fc3(F.gelu(x))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, channels=3, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=1, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.conv3 = nn.Conv1d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.avg_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = F.adaptive_avg_pool2d(x, (2, 2))
+        x = torch.flatten(x, 2)  # (B, 16, 4): a 1-D signal per channel
+        x = self.conv3(x).mean(-1)
+        return self.head(torch.flatten(x, 1))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class ManualCausalSelfAttention(CausalSelfAttention):
+    """The same attention written out: matmul, masked_fill, softmax (the nodes older GPTs use)."""
+
+    def forward(self, x):
+        B, T, C = x.shape
+        h = self.n_heads
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.reshape(B, T, h, C // h).permute(0, 2, 1, 3) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // h))
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.proj(y)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d_model=64, n_heads=4, manual_attention=False):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        attn = ManualCausalSelfAttention if manual_attention else CausalSelfAttention
+        self.attn = attn(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=96, d_model=64, n_heads=4, n_layers=2, max_len=64, manual_attention=False):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(max_len, d_model)
+        self.blocks = nn.ModuleList(GPTBlock(d_model, n_heads, manual_attention) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d_model=64, n_heads=4, hidden=172):
+        super().__init__()
+        self.n_heads = n_heads
+        self.norm1 = RMSNorm(d_model)
+        self.wq = nn.Linear(d_model, d_model, bias=False)
+        self.wk = nn.Linear(d_model, d_model, bias=False)
+        self.wv = nn.Linear(d_model, d_model, bias=False)
+        self.wo = nn.Linear(d_model, d_model, bias=False)
+        self.norm2 = RMSNorm(d_model)
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        h = self.norm1(x)
+        q, k, v = (w(h).view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(B, T, C))
+        h = self.norm2(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model factories: (model, make_batch(generator) -> inputs tuple, loss_fn(model, *inputs) -> loss)
+
+
+def make_mlp(dtype=torch.float32, device="cpu", batch=16):
+    model = MLP().to(device, dtype)
+
+    def make_batch(g):
+        x = torch.randn(batch, 32, generator=g).to(device, dtype)
+        y = torch.randint(0, 10, (batch,), generator=g).to(device)
+        return x, y
+
+    return model, make_batch, lambda m, x, y: F.cross_entropy(m(x), y)
+
+
+def make_cnn(dtype=torch.float32, device="cpu", batch=4):
+    model = SmallCNN().to(device, dtype)
+
+    def make_batch(g):
+        x = torch.randn(batch, 3, 16, 16, generator=g).to(device, dtype)
+        y = torch.randint(0, 10, (batch,), generator=g).to(device)
+        return x, y
+
+    return model, make_batch, lambda m, x, y: F.cross_entropy(m(x), y)
+
+
+def make_gpt(dtype=torch.float32, device="cpu", batch=2, seq=32, d_model=64, n_layers=2, manual_attention=False):
+    model = TinyGPT(d_model=d_model, n_layers=n_layers, max_len=seq, manual_attention=manual_attention).to(device, dtype)
+
+    def make_batch(g):
+        idx = torch.randint(0, 96, (batch, seq + 1), generator=g).to(device)
+        return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+    return model, make_batch, lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+
+
+def make_llama(dtype=torch.float32, device="cpu", batch=2, seq=32, d_model=64):
+    model = LlamaBlock(d_model=d_model).to(device, dtype)
+
+    def make_batch(g):
+        return (torch.randn(batch, seq, d_model, generator=g).to(device, dtype),)
+
+    return model, make_batch, lambda m, x: m(x).float().pow(2).mean()
+
+
+SUITE = {
+    "mlp": make_mlp,
+    "cnn": make_cnn,
+    "gpt": make_gpt,
+    "gpt-manual-attn": lambda **kw: make_gpt(manual_attention=True, **kw),
+    "llama": make_llama,
+}

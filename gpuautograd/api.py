@@ -1,0 +1,273 @@
+"""The public API: drop-in `backward` and `grad`, plus `enable`, `explain`, `validate`, `stats`.
+
+Signatures and semantics mirror `torch.autograd.backward` and `torch.autograd.grad`. Whatever
+can't be honored functionally (hooks, create_graph, anomaly mode, active saved-tensor hooks, a
+multi-rank process group) runs eager torch.autograd, with a one-time warning naming the reason.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.autograd as _autograd
+
+from .capture import hooks
+from .capture.lower import Request, lower
+from .ir.program import Program
+from .ir.types import TensorType
+from .passes import optimize
+from .runtime import engine
+from .runtime import stats as _stats
+from .runtime.engine import Fallback, warn_fallback
+
+# The eager entry points, captured before enable() can replace them.
+_eager_backward = _autograd.backward
+_eager_grad = _autograd.grad
+_eager_tensor_backward = torch.Tensor.backward
+
+hooks.install()
+
+
+def _as_tuple(x) -> tuple:
+    if x is None:
+        return ()
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    return tuple(x)
+
+
+def _make_grads(outputs, grads) -> list[torch.Tensor]:
+    """torch's own checks and defaults for grad_tensors (same errors, same implicit ones)."""
+    made = _autograd._make_grads(outputs, grads, is_grads_batched=False)
+    return list(made)
+
+
+def _check_roots(tensors) -> None:
+    for i, t in enumerate(tensors):
+        if not t.requires_grad:
+            raise RuntimeError(f"element {i} of tensors does not require grad and does not have a grad_fn")
+
+
+def _global_fallback_reason(create_graph: bool) -> str | None:
+    if create_graph:
+        return "create_graph=True (double backward) needs eager autograd"
+    if torch.is_anomaly_enabled():
+        return "anomaly detection mode is enabled"
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return "saved-tensor hooks are active"
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        return "a torch.distributed process group with world size > 1 is initialized (DDP/FSDP hooks live in C++)"
+    return None
+
+
+def backward(
+    tensors,
+    grad_tensors=None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    inputs=None,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Drop-in for `torch.autograd.backward`: accumulates gradients into the leaves' `.grad`."""
+    if inputs is not None and len(_as_tuple(inputs)) == 0:
+        raise RuntimeError("'inputs' argument to backward() cannot be empty.")
+    tensors = _as_tuple(tensors)
+    inputs = _as_tuple(inputs)
+    grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
+    if retain_graph is None:
+        retain_graph = create_graph
+    reason = _global_fallback_reason(create_graph)
+    if reason is None:
+        _check_roots(tensors)
+        for t in inputs:
+            if t.grad_fn is not None:
+                t.retain_grad()  # as torch does for non-leaf inputs of backward()
+        try:
+            engine.run(list(tensors), grads, retain_graph, list(inputs), True, backend)
+            return
+        except Fallback as e:
+            reason = str(e)
+    warn_fallback(reason)
+    _eager_backward(tensors, grads, retain_graph, create_graph, inputs=inputs or None)
+
+
+def grad(
+    outputs,
+    inputs,
+    grad_outputs=None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    allow_unused: bool | None = None,
+    *,
+    materialize_grads: bool = False,
+    backend: str | None = None,
+):
+    """Drop-in for `torch.autograd.grad`: returns the gradients, touches no `.grad`."""
+    outputs = _as_tuple(outputs)
+    inputs_t = _as_tuple(inputs)
+    if allow_unused is None:
+        allow_unused = materialize_grads
+    if materialize_grads and not allow_unused:
+        raise ValueError("Expected allow_unused to be True or not passed when materialize_grads=True, but got: allow_unused=False.")
+    grads = _make_grads(outputs, _as_tuple(grad_outputs) or (None,) * len(outputs))
+    if retain_graph is None:
+        retain_graph = create_graph
+    for t in inputs_t:
+        if not t.requires_grad:
+            raise RuntimeError("One of the differentiated Tensors does not require grad")
+    reason = _global_fallback_reason(create_graph)
+    if reason is None:
+        _check_roots(outputs)
+        try:
+            results = engine.run(list(outputs), grads, retain_graph, list(inputs_t), False, backend)
+        except Fallback as e:
+            reason = str(e)
+    if reason is not None:
+        warn_fallback(reason)
+        return _eager_grad(outputs, inputs_t, grads, retain_graph, create_graph, allow_unused=allow_unused, materialize_grads=materialize_grads)
+    for k, r in enumerate(results):
+        if r is None:
+            if materialize_grads:
+                results[k] = torch.zeros_like(inputs_t[k])
+            elif not allow_unused:
+                raise RuntimeError(
+                    "One of the differentiated Tensors appears to not have been used in the graph. "
+                    "Set allow_unused=True if this is the desired behavior."
+                )
+    return tuple(results)
+
+
+@contextlib.contextmanager
+def enable(backend: str | None = None):
+    """Route `Tensor.backward`, `torch.autograd.backward` and `torch.autograd.grad` through
+    gpuautograd inside the block; the originals come back on exit, errors included."""
+    saved = (_autograd.backward, _autograd.grad, torch.Tensor.backward)
+
+    def routed_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):
+        if grad_variables is not None:
+            grad_tensors = grad_variables
+        return backward(tensors, grad_tensors, retain_graph, create_graph, inputs, backend=backend)
+
+    def routed_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+                    allow_unused=None, is_grads_batched=False, materialize_grads=False):
+        if is_grads_batched:
+            warn_fallback("is_grads_batched=True (vmap over the backward) needs eager autograd")
+            return _eager_grad(outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs, allow_unused,
+                               is_grads_batched=True, materialize_grads=materialize_grads)
+        return grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
+                    materialize_grads=materialize_grads, backend=backend)
+
+    def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        return backward(self, gradient, retain_graph, create_graph, inputs, backend=backend)
+
+    _autograd.backward, _autograd.grad, torch.Tensor.backward = routed_backward, routed_grad, tensor_backward
+    try:
+        yield
+    finally:
+        _autograd.backward, _autograd.grad, torch.Tensor.backward = saved
+
+
+@dataclass
+class Explanation:
+    num_nodes: int
+    node_names: list[str]
+    opaque_nodes: list[str]
+    program: Program
+    source: str
+    fallback_reason: str | None = None
+    pass_seconds: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"gpuautograd: {self.num_nodes} autograd nodes -> {self.program.num_ops()} IR ops"]
+        if self.fallback_reason:
+            lines.append(f"falls back to eager: {self.fallback_reason}")
+        lines.append(f"opaque nodes: {', '.join(self.opaque_nodes) if self.opaque_nodes else 'none'}")
+        lines.append(str(self.program))
+        return "\n".join(lines)
+
+
+def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = None) -> Explanation:
+    """Capture the backward of `tensors` without running it and without freeing anything."""
+    tensors = _as_tuple(tensors)
+    inputs = _as_tuple(inputs)
+    _check_roots(tensors)
+    grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
+    w, key, root_edges, input_edges = engine.prepare(list(tensors), grads, list(inputs), not inputs, backend)
+    fallback = engine.unsupported_reason(w, grads)
+    timings: dict = {}
+    program = lower(w, Request(list(root_edges), [TensorType.of(g) for g in grads], list(input_edges), not inputs))
+    program = optimize(program, timings)
+    from .runtime.reference import compile_reference
+
+    source = compile_reference(program).source
+    opaque = [spec.label for _, spec in program.inputs if spec.kind == "node"]
+    names = [c.name for c in w.classes]
+    return Explanation(len(w.nodes), names, opaque, program, source, fallback, timings)
+
+
+@dataclass
+class InputError:
+    index: int
+    shape: tuple
+    dtype: torch.dtype
+    max_abs: float
+    max_rel: float
+    ok: bool
+
+
+class ValidationError(AssertionError):
+    pass
+
+
+def validate(tensors, grad_tensors=None, inputs: Sequence[torch.Tensor] | None = None, *, backend: str | None = None,
+             rtol: float | None = None, atol: float | None = None) -> list[InputError]:
+    """Run gpuautograd and torch.autograd on the same graph (retaining it) and compare the
+    gradients of `inputs` (default: every leaf that requires grad). Raises ValidationError with a
+    table when any error is over tolerance; otherwise returns the per-input errors."""
+    from .tolerances import tolerance
+
+    tensors = _as_tuple(tensors)
+    grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
+    if inputs is None:
+        w, *_ = engine.prepare(list(tensors), grads, [], True, backend)
+        inputs = [n.variable for n, c in zip(w.nodes, w.classes) if c.kind == "accumulate"]
+    inputs = list(inputs)
+    ours = grad(tensors, inputs, grads, retain_graph=True, allow_unused=True, backend=backend)
+    theirs = _eager_grad(tensors, inputs, grads, retain_graph=True, allow_unused=True)
+    rows = []
+    for k, (a, e) in enumerate(zip(ours, theirs)):
+        x = inputs[k]
+        if a is None or e is None:
+            ok = a is None and e is None
+            rows.append(InputError(k, tuple(x.shape), x.dtype, 0.0 if ok else float("inf"), 0.0 if ok else float("inf"), ok))
+            continue
+        r, t = tolerance(e.dtype)
+        r, t = rtol if rtol is not None else r, atol if atol is not None else t
+        diff = (a.double() - e.double()).abs()
+        max_abs = float(diff.max()) if diff.numel() else 0.0
+        max_rel = float((diff / e.double().abs().clamp_min(1e-30)).max()) if diff.numel() else 0.0
+        ok = bool(torch.allclose(a.double(), e.double(), rtol=r, atol=t)) and a.shape == e.shape and a.dtype == e.dtype
+        rows.append(InputError(k, tuple(x.shape), x.dtype, max_abs, max_rel, ok))
+    if not all(r.ok for r in rows):
+        table = "\n".join(
+            f"{r.index:>5}  {str(list(r.shape)):<20} {str(r.dtype):<16} {r.max_abs:>12.3e} {r.max_rel:>12.3e}  {'ok' if r.ok else 'FAIL'}"
+            for r in rows
+        )
+        raise ValidationError(f"gpuautograd gradients differ from torch.autograd:\n{'input':>5}  {'shape':<20} {'dtype':<16} {'max abs':>12} {'max rel':>12}\n{table}")
+    return rows
+
+
+def stats() -> dict:
+    """Captures, cache hits, cache misses with the guard that failed, fallbacks with their reason."""
+    out = _stats.STATS.snapshot()
+    out["cached_programs"] = len(engine.CACHE.entries)
+    return out
+
+
+def reset() -> None:
+    """Forget every cached program and zero the counters."""
+    engine.CACHE.clear()
+    _stats.reset()

@@ -1,0 +1,228 @@
+"""The driver: turn a walked autograd graph into one functional backward program.
+
+It visits the nodes in the order torch's engine would run them, sums the gradients that meet at
+each node, calls the node's rule (or emits an opaque call of the live node), and applies
+`validate_outputs` on every edge: the next node's input metadata decides the dtype cast, the
+reduction of a broadcast shape and the device.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from ..ir.builder import Builder, IRError
+from ..ir.program import InputSpec, OutputSpec, Program, Value
+from ..ir.types import NodeType, TensorType
+from ..rules.registry import lookup
+from .nodeview import NodeView
+from .walk import ACCUMULATE, CPP, PYTHON, Walk, read_saved, saved_key
+
+
+@dataclass
+class Request:
+    """What the caller asks for, in node indices of the walk."""
+
+    roots: list[tuple[int, int]]  # (node, input slot) that each root gradient flows into
+    root_types: list[TensorType]
+    inputs: list[tuple[int, int] | None]  # edges of `inputs=` / grad()'s inputs; None = unreachable
+    accumulate: bool  # backward() accumulates into .grad; grad() returns the gradients
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+def _meta_type(meta) -> TensorType:
+    shape, dtype, device = meta
+    return TensorType(tuple(shape), dtype, device)
+
+
+def _topological_order(w: Walk) -> list[int]:
+    """Kahn's algorithm, breaking ties like torch's engine: the highest sequence number first."""
+    deps = [0] * len(w.nodes)
+    for entry in w.key[: len(w.nodes)]:
+        for e in entry[1]:
+            if e is not None:
+                deps[e[0]] += 1
+    heap = [(-w.nodes[i]._sequence_nr(), i) for i in range(len(w.nodes)) if deps[i] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        order.append(i)
+        for e in w.key[i][1]:
+            if e is not None:
+                deps[e[0]] -= 1
+                if deps[e[0]] == 0:
+                    heapq.heappush(heap, (-w.nodes[e[0]]._sequence_nr(), e[0]))
+    if len(order) != len(w.nodes):
+        raise CaptureError("the autograd graph has a cycle")
+    return order
+
+
+def lower(w: Walk, req: Request) -> Program:
+    n = len(w.nodes)
+    edges = [w.key[i][1] for i in range(n)]
+    metas = [w.key[i][2] for i in range(n)]
+    order = _topological_order(w)
+
+    # Which gradients leave the program, and which nodes must run to produce them.
+    if req.accumulate and not req.inputs:
+        targets = {(i, 0) for i in range(n) if w.classes[i].kind == ACCUMULATE}
+    else:
+        targets = {e for e in req.inputs if e is not None}
+    retained = {(j, nr) for j, nr, _ in w.retained}
+    if req.accumulate and req.inputs:
+        retained |= {e for e in req.inputs if e is not None and w.classes[e[0]].kind != ACCUMULATE}
+    run_all = req.accumulate and not req.inputs
+    executes = [False] * n
+    for i in reversed(order):
+        if w.classes[i].kind == ACCUMULATE:
+            continue
+        executes[i] = run_all or any(e is not None and (e in targets or executes[e[0]]) for e in edges[i])
+
+    b = Builder()
+    pending: dict[tuple[int, int], list[Value]] = {}
+    for k, ((j, nr), t) in enumerate(zip(req.roots, req.root_types)):
+        g = b.input(t, InputSpec("grad", k, f"grad_output{k}"))
+        b.origin = "root"
+        g = _validate(b, g, _meta_type(metas[j][nr]), f"root {k}")
+        pending.setdefault((j, nr), []).append(g)
+
+    slot_base = _saved_slot_bases(w)
+    sink_values: dict[tuple[int, int], Value | None] = {}
+    for i in order:
+        info = w.classes[i]
+        b.origin = info.name
+        grads = [_sum(b, pending.pop((i, s), None)) for s in range(len(metas[i]))]
+        for s, g in enumerate(grads):
+            if (i, s) in targets or ((i, s) in retained and (executes[i] or info.kind == ACCUMULATE)):
+                sink_values[(i, s)] = g
+        if info.kind == ACCUMULATE or not executes[i] or all(g is None for g in grads):
+            continue
+        out_types = [None if e is None else _meta_type(metas[e[0]][e[1]]) for e in edges[i]]
+        needs = [e is not None and (e in targets or executes[e[0]]) for e in edges[i]]
+        rule = lookup(info.name) if info.kind == CPP else None
+        if rule is not None:
+            saved = _saved_values(b, w, i, slot_base[i])
+            view = NodeView(info.name, saved, [_meta_type(m) for m in metas[i]], out_types, needs)
+            try:
+                outs = list(rule(b, view, grads))
+            except Exception as e:
+                raise CaptureError(f"the rule for {info.name} (node {i}) failed: {e}") from e
+            if len(outs) != len(out_types):
+                raise CaptureError(f"the rule for {info.name} returned {len(outs)} gradients for {len(out_types)} edges")
+        else:
+            outs = _opaque(b, w, i, grads, [_meta_type(m) for m in metas[i]], out_types, needs)
+        for k, (g, e) in enumerate(zip(outs, edges[i])):
+            if g is None or e is None or not needs[k]:
+                continue
+            g = _validate(b, g, out_types[k], f"{info.name} output {k}")
+            pending.setdefault(e, []).append(g)
+
+    for (i, s), g in sorted(sink_values.items()):
+        if (i, s) in targets and not req.accumulate:
+            continue  # grad()'s results are emitted in input order below
+        if w.classes[i].kind == ACCUMULATE and (i, s) in targets:
+            b.output(g, OutputSpec("leaf", i, f"leaf{i}.grad"))
+        if (i, s) in retained:
+            b.output(g, OutputSpec("retain", i, f"{w.classes[i].name}[{s}].grad", slot=s))
+    if not req.accumulate:
+        for k, e in enumerate(req.inputs):
+            g = sink_values.get(e) if e is not None else None
+            b.output(g, OutputSpec("input", k, f"input{k}"))
+    b.program.executed = [i for i in order if executes[i]]
+    return b.program
+
+
+def _saved_slot_bases(w: Walk) -> list[int]:
+    """The index in `w.saved` of each node's first saved tensor (the walk appends them in order)."""
+    bases, count = [], 0
+    for i, info in enumerate(w.classes):
+        bases.append(count)
+        if info.kind == CPP:
+            for item in w.key[i][3]:
+                count += _tensor_count(item)
+    return bases
+
+
+def _tensor_count(item) -> int:
+    if isinstance(item, tuple) and len(item) == 4 and isinstance(item[0], torch.Size):
+        return 1
+    if isinstance(item, tuple) and len(item) == 2 and item[0] == "tensors":
+        return sum(m is not None for m in item[1])
+    return 0
+
+
+def _saved_values(b: Builder, w: Walk, i: int, base: int) -> dict:
+    node, info = w.nodes[i], w.classes[i]
+    out, scratch = {}, []
+    for (name, value), is_tensor in zip(read_saved(node, info).items(), info.tensor_flags):
+        start = len(scratch)
+        saved_key(value, is_tensor, scratch)  # the same traversal as the walk: it assigns the same slots
+        if isinstance(value, torch.Tensor):
+            out[name] = b.input(TensorType.of(value), InputSpec("saved", base + start, f"{info.name}.{name}"))
+        elif len(scratch) > start:
+            slots = iter(range(base + start, base + len(scratch)))
+            out[name] = [
+                None if v is None else b.input(TensorType.of(v), InputSpec("saved", next(slots), f"{info.name}.{name}[{k}]"))
+                for k, v in enumerate(value)
+            ]
+        else:
+            out[name] = value
+    return out
+
+
+def _sum(b: Builder, grads: list[Value] | None) -> Value | None:
+    if not grads:
+        return None
+    total = grads[0]
+    for g in grads[1:]:
+        total = b.add(total, g)
+    return total
+
+
+def _validate(b: Builder, g: Value, expected: TensorType | None, where: str) -> Value:
+    """torch's validate_outputs: reduce a broadcast shape, cast the dtype, move a 0-dim tensor."""
+    if expected is None:
+        return g
+    if g.shape != expected.shape:
+        if not _expandable(expected.shape, g.shape):
+            raise CaptureError(
+                f"invalid gradient at {where} - got {list(g.shape)} but expected shape compatible with {list(expected.shape)}"
+            )
+        g = b.sum_to(g, expected.shape)
+    g = b.cast(g, expected.dtype)
+    if g.device != expected.device:
+        if g.ndim != 0:
+            raise CaptureError(f"invalid gradient at {where} - expected device {expected.device} but got {g.device}")
+        g = b.to_device(g, expected.device)
+    return g
+
+
+def _expandable(shape, to) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(shape, to)) == tuple(to)
+    except RuntimeError:
+        return False
+
+
+def _opaque(b, w, i, grads, in_types, out_types, needs):
+    node, info = w.nodes[i], w.classes[i]
+    node_value = b.input(NodeType(info.name), InputSpec("node", i, info.name))
+    # Undefined incoming gradients become zeros, as a custom Function's materialize_grads does.
+    args = [g if g is not None else b.zeros(t) for g, t in zip(grads, in_types)]
+    python_positions = None
+    if info.kind == PYTHON:
+        # A custom Function returns one gradient per forward argument; edges exist for tensor
+        # arguments only. The arguments that need a gradient map, in order, onto the valid edges.
+        wanted = [k for k, flag in enumerate(node.needs_input_grad) if flag]
+        it = iter(wanted)
+        python_positions = tuple(next(it, None) if e is not None else None for e in w.key[i][1])
+    types = tuple(None if t is None or not needs[k] else (t.shape, t.dtype, t.device) for k, t in enumerate(out_types))
+    return b.emit("opaque", node_value, *args, out_types=types, python_positions=python_positions)
+
+
+__all__ = ["CaptureError", "IRError", "Request", "lower"]

@@ -1,0 +1,50 @@
+"""What a rule sees of one autograd node: its saved values as IR values or Python constants,
+its metadata, and which of its edges need a gradient."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..ir.program import Value
+from ..ir.types import TensorType
+
+
+class NodeView:
+    def __init__(self, name: str, saved: dict[str, Any], input_types: list, output_types: list, needs: list[bool]) -> None:
+        self.name = name
+        self._saved = saved  # attribute name without "_saved_" -> Value, list of Values or constant
+        self.input_types = input_types  # TensorType per forward output (gradient flowing in)
+        self.output_types = output_types  # TensorType or None per edge (what the next node expects)
+        self._needs = needs
+
+    def saved(self, name: str) -> Any:
+        """The saved value `name` (as in `grad_fn._saved_<name>`): a Value for a tensor, a list of
+        Values (or None) for a tensor list, else the Python constant."""
+        try:
+            return self._saved[name]
+        except KeyError:
+            raise KeyError(f"{self.name} has no saved value {name!r}; it has {sorted(self._saved)}") from None
+
+    def has_saved(self, name: str) -> bool:
+        return name in self._saved
+
+    @property
+    def num_outputs(self) -> int:
+        """The number of `next_functions` edges, i.e. of gradients the rule returns."""
+        return len(self.output_types)
+
+    def needs(self, i: int) -> bool:
+        """Whether edge i leads to a node that uses its gradient."""
+        return self._needs[i]
+
+    def input_type(self, i: int = 0) -> TensorType:
+        return self.input_types[i]
+
+    def output_type(self, i: int) -> TensorType | None:
+        return self.output_types[i]
+
+    def __repr__(self) -> str:
+        return f"NodeView({self.name}, saved={sorted(self._saved)})"
+
+
+def is_value(x) -> bool:
+    return isinstance(x, Value)

@@ -1,0 +1,190 @@
+"""The walk over an autograd graph: nodes in discovery order, their saved tensors, and the cache key.
+
+This is the hit path's hot loop, so it does no more per node than reading what the key needs:
+the node's class, its edges, its input metadata and its saved values. Everything else (rules,
+IR) happens only on a cache miss, in `lower.py`, which re-reads the same attributes in the same
+order so that saved-tensor slots line up.
+"""
+from __future__ import annotations
+
+import operator
+from itertools import repeat
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+from . import hooks
+
+CPP, PYTHON, ACCUMULATE = "cpp", "python", "accumulate"
+ACCUMULATE_NAME = "torch::autograd::AccumulateGrad"
+
+
+@dataclass(frozen=True)
+class NodeClass:
+    """What the walk needs to know about one autograd node type, computed once per type."""
+
+    name: str
+    kind: str
+    saved_names: tuple[str, ...]  # attribute suffixes after "_saved_"
+    tensor_flags: tuple[bool, ...]  # per saved name: a tensor (or tensor list) rather than a constant
+    raw_names: tuple[str, ...]  # attribute suffixes after "_raw_saved_": the releasable ones
+    read: Callable[[object], tuple]  # node -> the tuple of its saved values, in saved_names order
+
+
+_CLASSES: dict[type, NodeClass] = {}
+
+
+def _reader(names: tuple[str, ...]):
+    if not names:
+        return lambda node: ()
+    getter = operator.attrgetter(*("_saved_" + n for n in names))
+    return getter if len(names) > 1 else (lambda node: (getter(node),))
+
+
+def node_class(node) -> NodeClass:
+    cls = type(node)
+    info = _CLASSES.get(cls)
+    if info is None:
+        names = dir(node)
+        saved: tuple[str, ...] = ()
+        raw: tuple[str, ...] = ()
+        if isinstance(node, BackwardCFunction):
+            kind, raw = PYTHON, ("tensors",)
+        else:
+            kind = ACCUMULATE if node.name() == ACCUMULATE_NAME else CPP
+            saved = tuple(n[len("_saved_"):] for n in names if n.startswith("_saved_"))
+            raw = tuple(n[len("_raw_saved_"):] for n in names if n.startswith("_raw_saved_"))
+        flags = tuple(n in raw for n in saved)
+        info = _CLASSES[cls] = NodeClass(node.name(), kind, saved, flags, raw, _reader(saved))
+    return info
+
+
+def tensor_meta(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def saved_key(value, is_tensor: bool, saved: list) -> object:
+    """The key of one saved value; tensors are appended to `saved` (their slot is their order)."""
+    if not is_tensor:
+        return tuple(value) if type(value) is list else value
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            if v is None:
+                out.append(None)
+            else:
+                saved.append(v)
+                out.append((v.shape, v.stride(), v.dtype, v.device))
+        return ("tensors", tuple(out))
+    saved.append(value)
+    return (value.shape, value.stride(), value.dtype, value.device)
+
+
+@dataclass
+class Walk:
+    nodes: list = field(default_factory=list)
+    classes: list = field(default_factory=list)
+    saved: list = field(default_factory=list)  # every saved tensor, in walk order
+    key: list = field(default_factory=list)
+    retained: list = field(default_factory=list)  # (node index, output_nr, tensor) for retain_grad()
+    index: dict = field(default_factory=dict)  # node object -> its position in `nodes`
+    hook_reason: str | None = None
+
+
+def walk(root_nodes) -> Walk:
+    w = Walk()
+    nodes, classes, saved, key, index = w.nodes, w.classes, w.saved, w.key, w.index
+    for n in root_nodes:
+        if n not in index:
+            index[n] = len(nodes)
+            nodes.append(n)
+    i = 0
+    while i < len(nodes):
+        node = nodes[i]
+        i += 1
+        info = node_class(node)
+        classes.append(info)
+        edges = []
+        for nxt, nr in node.next_functions:
+            if nxt is None:
+                edges.append(None)
+                continue
+            j = index.get(nxt)
+            if j is None:
+                j = index[nxt] = len(nodes)
+                nodes.append(nxt)
+            edges.append((j, nr))
+        metas = tuple((tuple(m.shape), m.dtype, m.device) for m in node._input_metadata)
+        if info.kind == CPP:
+            extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
+        elif info.kind == ACCUMULATE:
+            var = node.variable
+            if var._backward_hooks:
+                w.hook_reason = "a hook is registered on a leaf tensor"
+            elif getattr(var, "_post_accumulate_grad_hooks", None):
+                w.hook_reason = "a post-accumulate-grad hook is registered on a leaf tensor"
+            extra = tensor_meta(var)
+        else:
+            extra = tuple(node.needs_input_grad)
+        key.append((type(node), tuple(edges), metas, extra))
+    for t in hooks.tracked_tensors():
+        j = index.get(t.grad_fn)
+        if j is None:
+            continue
+        if t._backward_hooks:
+            w.hook_reason = f"a hook is registered on a non-leaf tensor (grad_fn {classes[j].name})"
+        if t.retains_grad:
+            w.retained.append((j, t.output_nr, t))
+    if w.retained:
+        w.retained.sort(key=lambda r: (r[0], r[1]))
+        key.append(("retain", tuple((j, nr) for j, nr, _ in w.retained)))
+    return w
+
+
+def read_saved(node, info: NodeClass) -> dict:
+    """The saved values of one node, as the walk saw them (used on a miss, before any release)."""
+    return dict(zip(info.saved_names, info.read(node)))
+
+
+class _Released:
+    """Stands in for a saved tensor whose memory was released after the backward ran."""
+
+    __slots__ = ()
+
+
+_RELEASED = _Released()
+_BACKWARD_TWICE = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after they "
+    "have already been freed). Saved intermediate values of the graph are freed when you call .backward() "
+    "or autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time "
+    "or if you need to access saved tensors after calling backward."
+)
+
+
+def _pack_release(tensor):
+    return _RELEASED  # dropping the tensor frees it, as eager's release_variables() does
+
+
+def _unpack_released(_):
+    raise RuntimeError(_BACKWARD_TWICE)
+
+
+def release_saved(nodes, classes, kinds=(CPP, PYTHON)) -> None:
+    """Free what eager's backward frees: every saved tensor of the given nodes. A later access (or
+    a second backward) raises torch's own "backward through the graph a second time" error."""
+    for node, info in zip(nodes, classes):
+        if info.kind not in kinds:
+            continue
+        for name in info.raw_names:
+            raw = getattr(node, "_raw_saved_" + name)
+            for sv in raw if isinstance(raw, (list, tuple)) else (raw,):
+                if sv is None:
+                    continue
+                try:
+                    sv.register_hooks(_pack_release, _unpack_released)
+                except RuntimeError:
+                    pass  # a saved None, or already released: nothing is held

@@ -1,0 +1,36 @@
+"""Every environment flag of gpuautograd, in one place.
+
+Each flag is read when it is used, so tests and users can change the environment at run time.
+"""
+from __future__ import annotations
+
+import os
+
+BACKENDS = ("auto", "reference")
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def backend() -> str:
+    """GPUAUTOGRAD_BACKEND: the default backend ("auto" picks the best one for the device)."""
+    value = _env("GPUAUTOGRAD_BACKEND", "auto")
+    if value not in BACKENDS:
+        raise ValueError(f"GPUAUTOGRAD_BACKEND={value!r} is not one of {BACKENDS}")
+    return value
+
+
+def debug_level() -> int:
+    """GPUAUTOGRAD_DEBUG: 0 quiet, 1 cache misses and fallbacks, 2 also the program of each capture."""
+    return int(_env("GPUAUTOGRAD_DEBUG", "0"))
+
+
+def cache_size() -> int:
+    """GPUAUTOGRAD_CACHE_SIZE: cached programs kept (least recently used ones are dropped)."""
+    return int(_env("GPUAUTOGRAD_CACHE_SIZE", "64"))
+
+
+def recapture_limit() -> int:
+    """GPUAUTOGRAD_RECAPTURE_LIMIT: recaptures of one graph structure before a warning says so."""
+    return int(_env("GPUAUTOGRAD_RECAPTURE_LIMIT", "8"))

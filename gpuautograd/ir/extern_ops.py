@@ -1,0 +1,115 @@
+"""Extern ops for nn backward rules: each is one aten backward kernel, called as one library call.
+
+These are the kernels whose math is long (convolution, batch norm, pooling with windows, fused
+attention) and for which the library already has the fast implementation on every device. Their
+type inference runs the same aten op on meta tensors, so shapes (padding, ceil_mode, the attention
+logsumexp layout, ...) come out exactly as the library computes them.
+
+Optional tensor arguments (a batch norm without weight, attention without a mask) are not passed
+as operands; a `present` attribute marks which of the op's optional slots hold a tensor, so every
+operand of an instruction stays a Value. Ops with an `output_mask` return None for the gradients
+that are not asked for.
+
+This module registers into the one op table in `ops.py`; importing it is enough.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ops import EXTERN, register_op
+
+aten = torch.ops.aten
+
+
+def _fill_absent(tensors, present) -> list:
+    """Spread the operands over the op's optional slots: absent slots become None."""
+    it = iter(tensors)
+    out = [next(it) if p else None for p in present]
+    leftover = list(it)
+    if leftover:
+        raise ValueError(f"{len(leftover)} operands more than the {sum(present)} present slots")
+    return out
+
+
+def _optional(xs) -> tuple[list, tuple[bool, ...]]:
+    """(operands, present) for a list of Value-or-None: what a rule passes to `Builder.emit`."""
+    return [x for x in xs if x is not None], tuple(x is not None for x in xs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution, batch norm, pooling, embedding
+
+
+@register_op("convolution_backward", EXTERN)
+def _convolution_backward(grad, input, weight, *, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):
+    return aten.convolution_backward(
+        grad, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, list(output_mask)
+    )
+
+
+@register_op("batch_norm_backward", EXTERN)
+def _batch_norm_backward(grad, input, *optional, present, train, eps, output_mask):
+    """`optional` holds the present ones of (weight, running_mean, running_var, save_mean, save_invstd)."""
+    weight, running_mean, running_var, save_mean, save_invstd = _fill_absent(optional, present)
+    return aten.native_batch_norm_backward(
+        grad, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, list(output_mask)
+    )
+
+
+@register_op("avg_pool2d_backward", EXTERN)
+def _avg_pool2d_backward(grad, input, *, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return aten.avg_pool2d_backward(grad, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+@register_op("adaptive_avg_pool2d_backward", EXTERN)
+def _adaptive_avg_pool2d_backward(grad, input):
+    return aten._adaptive_avg_pool2d_backward(grad, input)
+
+
+@register_op("embedding_backward", EXTERN)
+def _embedding_backward(grad, indices, *, num_weights, padding_idx, scale_grad_by_freq):
+    return aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaled dot product attention: one op per fused kernel family. The CUDA ones carry the random
+# state of the forward's dropout (philox seed and offset, or flash's rng_state) as operands.
+
+
+@register_op("sdpa_flash_cpu_backward", EXTERN)
+def _sdpa_flash_cpu_backward(grad, query, key, value, out, logsumexp, *mask, present, dropout_p, is_causal, scale):
+    (attn_mask,) = _fill_absent(mask, present)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+
+
+@register_op("sdpa_efficient_backward", EXTERN)
+def _sdpa_efficient_backward(grad, query, key, value, out, logsumexp, philox_seed, philox_offset, *bias, present, dropout_p, grad_input_mask, is_causal, scale):
+    (attn_bias,) = _fill_absent(bias, present)
+    return aten._scaled_dot_product_efficient_attention_backward(
+        grad, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p, list(grad_input_mask), is_causal, scale=scale
+    )
+
+
+@register_op("sdpa_flash_backward", EXTERN)
+def _sdpa_flash_backward(grad, query, key, value, out, logsumexp, rng_state, unused, *cum_seqs, present, max_q, max_k, dropout_p, is_causal, scale):
+    cum_seq_q, cum_seq_k = _fill_absent(cum_seqs, present)
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, scale=scale
+    )
+
+
+@register_op("sdpa_cudnn_backward", EXTERN)
+def _sdpa_cudnn_backward(grad, query, key, value, out, logsumexp, philox_seed, philox_offset, *optional, present, max_q, max_k, dropout_p, is_causal, scale):
+    attn_bias, cum_seq_q, cum_seq_k = _fill_absent(optional, present)
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        grad, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k,
+        max_q, max_k, dropout_p, is_causal, scale=scale,
+    )
+
+
+def emit_optional(b, op: str, fixed: list, optional: list, **attrs):
+    """Emit extern `op` with its fixed operands, then the present ones of `optional` (Value or None)."""
+    operands, present = _optional(optional)
+    return b.emit(op, *fixed, *operands, present=present, **attrs)

@@ -1,0 +1,374 @@
+"""The op table: every IR op with its kind, type inference and reference implementation.
+
+The reference implementation is the semantics of the op: the reference executor calls it, and
+later backends must agree with it. Type inference runs at capture time only. Ops whose shape rules
+are long (extern library calls, indexing) infer by running their reference on meta tensors, which
+is exact by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .types import TensorType
+
+# kinds, which later passes and fusion key on
+POINTWISE = "pointwise"
+REDUCTION = "reduction"
+LAYOUT = "layout"  # reshape, permute, expand, slices: pure indexing, no arithmetic
+INDEX = "index"  # gather / scatter / index_put: data-dependent indexing
+CREATION = "creation"
+EXTERN = "extern"  # one library call (matmul, convolution backward, attention backward, ...)
+OPAQUE = "opaque"  # a call of a live autograd node
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    kind: str
+    impl: Callable[..., Any]
+    infer: Callable[[list, dict], list]
+    view: bool = False  # the output may alias the first input
+    effect: bool = False  # must run even if its outputs are unused
+
+    def __call__(self, *args, **kwargs):
+        return self.impl(*args, **kwargs)
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def register_op(name: str, kind: str, infer=None, *, view: bool = False, effect: bool = False):
+    """Decorator: register `impl` as the reference implementation of op `name`."""
+
+    def deco(impl):
+        if name in OPS:
+            raise ValueError(f"IR op {name!r} is registered twice")
+        OPS[name] = OpDef(name, kind, impl, infer or _infer_by_meta(impl), view, effect)
+        return impl
+
+    return deco
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown IR op {name!r}; known ops: {sorted(OPS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference helpers
+
+
+def _meta(t: TensorType) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _first_device(in_types) -> torch.device:
+    for t in in_types:
+        if isinstance(t, TensorType):
+            return t.device
+    return torch.device("cpu")
+
+
+def _infer_by_meta(impl):
+    """Infer output types by running the reference implementation on meta tensors."""
+
+    def infer(in_types, attrs):
+        args = [_meta(t) if isinstance(t, TensorType) else t for t in in_types]
+        out = impl(*args, **attrs)
+        device = attrs.get("device") or _first_device(in_types)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        return [None if o is None else TensorType(tuple(o.shape), o.dtype, torch.device(device)) for o in outs]
+
+    return infer
+
+
+def _promote(in_types) -> torch.dtype:
+    """torch's type promotion for tensors and Python scalars (scalars and 0-dim tensors are weak)."""
+    args = []
+    for t in in_types:
+        if isinstance(t, TensorType):
+            args.append(torch.empty((1,) if t.ndim else (), dtype=t.dtype, device="meta"))
+        else:
+            args.append(t)
+    out = args[0]
+    for a in args[1:]:
+        dtype = torch.result_type(out, a)
+        dims = any(isinstance(x, torch.Tensor) and x.ndim for x in (out, a))
+        out = torch.empty((1,) if dims else (), dtype=dtype, device="meta")
+    if not isinstance(out, torch.Tensor):  # only scalars: not a valid op
+        raise TypeError("a pointwise op needs at least one tensor operand")
+    return out.dtype
+
+
+def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(torch.broadcast_shapes(*shapes))
+
+
+def _pointwise_infer(result_dtype=None):
+    def infer(in_types, attrs):
+        tensors = [t for t in in_types if isinstance(t, TensorType)]
+        shape = broadcast_shapes(*(t.shape for t in tensors))
+        dtype = _promote(in_types)
+        if result_dtype == "bool":
+            dtype = torch.bool
+        elif result_dtype == "float" and not dtype.is_floating_point:
+            dtype = torch.get_default_dtype()
+        return [TensorType(shape, dtype, _first_device(in_types))]
+
+    return infer
+
+
+# ---------------------------------------------------------------------------------------------
+# Pointwise math. Operands may be Python scalars.
+
+_UNARY_FLOAT = {
+    "exp": torch.exp,
+    "log": torch.log,
+    "log1p": torch.log1p,
+    "expm1": torch.expm1,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "erf": torch.erf,
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "reciprocal": torch.reciprocal,
+}
+_UNARY_SAME = {"abs": torch.abs, "sign": torch.sign, "neg": torch.neg}
+
+for _name, _fn in _UNARY_FLOAT.items():
+    register_op(_name, POINTWISE, _pointwise_infer("float"))(_fn)
+for _name, _fn in _UNARY_SAME.items():
+    register_op(_name, POINTWISE, _pointwise_infer())(_fn)
+
+register_op("logical_not", POINTWISE, _pointwise_infer("bool"))(torch.logical_not)
+
+_BINARY = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "pow": lambda a, b: a**b,
+    "maximum": lambda a, b: torch.maximum(a, b) if isinstance(b, torch.Tensor) else torch.clamp_min(a, b),
+    "minimum": lambda a, b: torch.minimum(a, b) if isinstance(b, torch.Tensor) else torch.clamp_max(a, b),
+}
+for _name, _fn in _BINARY.items():
+    register_op(_name, POINTWISE, _pointwise_infer())(_fn)
+register_op("div", POINTWISE, _pointwise_infer("float"))(lambda a, b: a / b)
+
+_COMPARE = {
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+    "logical_and": torch.logical_and,
+    "logical_or": torch.logical_or,
+}
+for _name, _fn in _COMPARE.items():
+    register_op(_name, POINTWISE, _pointwise_infer("bool"))(_fn)
+
+
+def _where_infer(in_types, attrs):
+    cond, a, b = in_types
+    shapes = [t.shape for t in in_types if isinstance(t, TensorType)]
+    dtype = _promote([a, b]) if isinstance(a, TensorType) or isinstance(b, TensorType) else torch.get_default_dtype()
+    return [TensorType(broadcast_shapes(*shapes), dtype, _first_device(in_types))]
+
+
+@register_op("where", POINTWISE, _where_infer)
+def _where(cond, a, b):
+    return torch.where(cond, a, b)
+
+
+@register_op("cast", POINTWISE, lambda ts, a: [ts[0].with_(dtype=a["dtype"])])
+def _cast(x, *, dtype):
+    return x.to(dtype)
+
+
+@register_op("to_device", LAYOUT, lambda ts, a: [ts[0].with_(device=torch.device(a["device"]))])
+def _to_device(x, *, device):
+    return x.to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reductions. `dims` is always an explicit, sorted tuple of non-negative dims.
+
+
+def _reduce_infer(ts, attrs):
+    (x,) = ts
+    dims, keep = attrs["dims"], attrs["keepdim"]
+    shape = [1 if i in dims else s for i, s in enumerate(x.shape)] if keep else [s for i, s in enumerate(x.shape) if i not in dims]
+    dtype = x.dtype
+    if "dtype" in attrs and attrs["dtype"] is not None:
+        dtype = attrs["dtype"]
+    return [x.with_(shape=shape, dtype=dtype)]
+
+
+@register_op("sum", REDUCTION, _reduce_infer)
+def _sum(x, *, dims, keepdim, dtype=None):
+    if not dims:  # torch.sum(x, dim=()) would reduce every dim
+        return x if dtype is None else x.to(dtype)
+    return torch.sum(x, dims, keepdim=keepdim, dtype=dtype)
+
+
+@register_op("amax", REDUCTION, _reduce_infer)
+def _amax(x, *, dims, keepdim):
+    return torch.amax(x, dims, keepdim=keepdim) if dims else x
+
+
+@register_op("amin", REDUCTION, _reduce_infer)
+def _amin(x, *, dims, keepdim):
+    return torch.amin(x, dims, keepdim=keepdim) if dims else x
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: reshape, permute, expand, slices, cat. Outputs may alias their input.
+
+
+@register_op("reshape", LAYOUT, lambda ts, a: [ts[0].with_(shape=a["shape"])], view=True)
+def _reshape(x, *, shape):
+    return x.reshape(shape)
+
+
+@register_op("permute", LAYOUT, lambda ts, a: [ts[0].with_(shape=[ts[0].shape[d] for d in a["dims"]])], view=True)
+def _permute(x, *, dims):
+    return x.permute(dims)
+
+
+@register_op("expand", LAYOUT, lambda ts, a: [ts[0].with_(shape=a["shape"])], view=True)
+def _expand(x, *, shape):
+    return x.expand(shape)
+
+
+@register_op("slice", LAYOUT, view=True)
+def _slice(x, *, dim, start, end, step):
+    return torch.ops.aten.slice.Tensor(x, dim, start, end, step)
+
+
+@register_op("select", LAYOUT, view=True)
+def _select(x, *, dim, index):
+    return torch.select(x, dim, index)
+
+
+@register_op("cat", LAYOUT)
+def _cat(*xs, dim):
+    return torch.cat(xs, dim)
+
+
+@register_op("slice_scatter", LAYOUT, lambda ts, a: [ts[0]])
+def _slice_scatter(base, src, *, dim, start, end, step):
+    return torch.slice_scatter(base, src, dim, start, end, step)
+
+
+@register_op("select_scatter", LAYOUT, lambda ts, a: [ts[0]])
+def _select_scatter(base, src, *, dim, index):
+    return torch.select_scatter(base, src, dim, index)
+
+
+@register_op("contiguous", LAYOUT, lambda ts, a: [ts[0]], view=True)
+def _contiguous(x):
+    return x.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Creation
+
+
+def _full_infer(ts, a):
+    return [TensorType(tuple(a["shape"]), a["dtype"], torch.device(a["device"]))]
+
+
+@register_op("full", CREATION, _full_infer)
+def _full(*, shape, value, dtype, device):
+    return torch.full(shape, value, dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-dependent indexing
+
+
+@register_op("gather", INDEX)
+def _gather(x, index, *, dim):
+    return torch.gather(x, dim, index)
+
+
+@register_op("scatter", INDEX, lambda ts, a: [ts[0]])
+def _scatter(base, index, src, *, dim):
+    return torch.scatter(base, dim, index, src)
+
+
+@register_op("scatter_add", INDEX, lambda ts, a: [ts[0]])
+def _scatter_add(base, index, src, *, dim):
+    return torch.scatter_add(base, dim, index, src)
+
+
+@register_op("index", INDEX)
+def _index(x, *indices, present):
+    """x[indices], where `present[i]` says whether dim i has an index tensor (else a full slice)."""
+    it = iter(indices)
+    return torch.ops.aten.index.Tensor(x, [next(it) if p else None for p in present])
+
+
+@register_op("index_put", INDEX, lambda ts, a: [ts[0]])
+def _index_put(base, values, *indices, present, accumulate):
+    it = iter(indices)
+    # the aten op, not torch.index_put: the Python binding rejects None (a whole dim) in the list
+    return torch.ops.aten.index_put.default(base, [next(it) if p else None for p in present], values, accumulate)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear algebra: library calls
+
+
+@register_op("mm", EXTERN)
+def _mm(a, b):
+    return torch.mm(a, b)
+
+
+@register_op("bmm", EXTERN)
+def _bmm(a, b):
+    return torch.bmm(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Opaque call of a live autograd node. The node arrives as an input of NodeType.
+
+
+def _opaque_infer(ts, attrs):
+    return [None if t is None else TensorType(*t) for t in attrs["out_types"]]
+
+
+@register_op("opaque", OPAQUE, _opaque_infer, effect=True)
+def _opaque(node, *grads, out_types, python_positions):
+    """Run `node` eagerly. `python_positions` maps a custom Function's backward results (one per
+    forward argument) onto its edges; it is None for C++ nodes, which return one per edge. Results
+    are validated as torch's engine does (sum to the expected shape, cast); a missing gradient on
+    an edge that needs one becomes zeros."""
+    with torch.no_grad():
+        if python_positions is None:
+            raw = node(*grads)
+            raw = (raw,) if isinstance(raw, torch.Tensor) else tuple(raw)
+            results = list(raw) + [None] * (len(out_types) - len(raw))
+        else:
+            raw = node.apply(*grads)
+            raw = raw if isinstance(raw, tuple) else (raw,)
+            results = [raw[i] if i is not None and i < len(raw) else None for i in python_positions]
+        out = []
+        for r, t in zip(results, out_types):
+            if t is None:
+                out.append(None)
+                continue
+            shape, dtype, device = t
+            if r is None:
+                r = torch.zeros(shape, dtype=dtype, device=device)
+            if tuple(r.shape) != tuple(shape):
+                r = r.sum_to_size(shape)
+            out.append(r.to(dtype=dtype, device=device))
+    return tuple(out)

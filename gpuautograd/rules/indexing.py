@@ -1,0 +1,84 @@
+"""Backward rules of data-dependent indexing nodes: advanced indexing, gather, index_select,
+scatter and scatter_add.
+
+The gradient of a read at indices is an accumulating write at the same indices into zeros, so
+repeated indices sum their contributions (index_put with accumulate=True, scatter_add).
+"""
+from __future__ import annotations
+
+from .registry import register
+from .views import norm_dim
+
+
+@register("IndexBackward0")
+def index_backward(b, node, grads):
+    # self: index_backward(grad.new_zeros_symint(self.sym_sizes()), indices, grad)
+    #       = zeros(self.sizes).index_put_(indices, grad, accumulate=True)
+    # `indices` holds None for dims taken whole (x[:, idx]) and may hold bool masks.
+    grad = grads[0]
+    base = b.full(tuple(node.saved("self_sym_sizes")), 0, grad.dtype, grad.device)
+    return [b.index_put(base, list(node.saved("indices")), grad, accumulate=True)]
+
+
+@register("IndexSelectBackward0")
+def index_select_backward(b, node, grads):
+    # self: index_select_backward_symint(grad, self.sym_sizes(), dim, index)
+    #       = zeros(self.sizes).index_add_(dim, index, grad)
+    grad = grads[0]
+    sizes = tuple(node.saved("self_sym_sizes"))
+    dim = norm_dim(node.saved("dim"), len(sizes))
+    index = node.saved("index")
+    if index.ndim == 0:  # a 0-d index still keeps its dim in the output, size 1
+        index = b.reshape(index, (1,))
+    if len(sizes) == 0:  # a 0-d self: the output is 1 element (0-d or 1-d), the gradient 0-d
+        return [b.reshape(grad, ())]
+    base = b.full(sizes, 0, grad.dtype, grad.device)
+    # index_add along dim == index_put with the index at dim and whole slices before it
+    return [b.index_put(base, [None] * dim + [index], grad, accumulate=True)]
+
+
+@register("GatherBackward0")
+def gather_backward(b, node, grads):
+    # self: gather_backward(grad, self, dim, index, sparse_grad)
+    #       = zeros_like(self).scatter_add(dim, index, grad)   (dense gradients only)
+    if node.saved("sparse_grad"):
+        raise NotImplementedError(f"{node.name}: sparse_grad=True asks for a sparse gradient")
+    grad = grads[0]
+    self_type = node.saved("self").type
+    index = node.saved("index")
+    base = b.full(self_type.shape, 0, grad.dtype, grad.device)
+    return [b.scatter_add(base, norm_dim(node.saved("dim"), max(grad.ndim, 1)), index, grad)]
+
+
+@register("ScatterAddBackward0")
+def scatter_add_backward(b, node, grads):
+    # self: grad;  src: grad.gather(dim, index)
+    grad = grads[0]
+    src = None
+    if node.needs(1):
+        src = b.gather(grad, norm_dim(node.saved("dim"), grad.ndim), node.saved("index"))
+    return [grad, src]
+
+
+@register("ScatterBackward0")
+def scatter_src_backward(b, node, grads):
+    # self: grad.scatter(dim, index, 0);  src: grad.gather(dim, index)
+    grad = grads[0]
+    dim = norm_dim(node.saved("dim"), grad.ndim)
+    index = node.saved("index")
+    self_grad = _zero_at(b, grad, dim, index) if node.needs(0) else None
+    src_grad = b.gather(grad, dim, index) if node.needs(1) else None
+    return [self_grad, src_grad]
+
+
+@register("ScatterBackward1")
+def scatter_value_backward(b, node, grads):
+    # self: grad.scatter(dim, index, 0)
+    grad = grads[0]
+    return [_zero_at(b, grad, norm_dim(node.saved("dim"), grad.ndim), node.saved("index"))]
+
+
+def _zero_at(b, grad, dim: int, index):
+    """grad with the positions that scatter overwrote set to 0: they never reach the output."""
+    zeros = b.full(index.shape, 0, grad.dtype, grad.device)
+    return b.scatter(grad, dim, index, zeros)

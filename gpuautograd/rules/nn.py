@@ -1,0 +1,233 @@
+"""Backward rules of nn library kernels: convolution, batch norm, pooling, embedding, attention.
+
+Most are one extern op (the aten backward kernel, see ir/extern_ops.py) with the output mask taken
+from which edges need a gradient. Max pooling is a scatter-add of the gradient into the saved
+argmax positions, plain IR that fuses, so it needs no library call.
+"""
+from __future__ import annotations
+
+from ..ir import extern_ops  # noqa: F401 - registers the extern ops these rules emit
+from ..ir.extern_ops import emit_optional
+from .registry import register
+
+
+def _mask(node, count: int) -> tuple[bool, ...]:
+    return tuple(node.needs(i) for i in range(count))
+
+
+def _masked(node, outs) -> list:
+    """One result per edge, None where the edge needs no gradient."""
+    return [o if node.needs(i) else None for i, o in enumerate(outs)]
+
+
+def _signed(v: int) -> int:
+    """torch hands saved int64 values to Python as unsigned 64-bit numbers (-1 -> 2**64 - 1)."""
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def _saved_or_none(node, name: str):
+    return node.saved(name) if node.has_saved(name) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution
+
+
+@register("ConvolutionBackward0")
+def convolution_backward(b, node, grads):
+    # input, weight, bias: convolution_backward(grad, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, grad_input_mask)
+    (grad,) = grads
+    outs = b.emit(
+        "convolution_backward",
+        grad,
+        node.saved("input"),
+        node.saved("weight"),
+        bias_sizes=node.saved("bias_sym_sizes_opt"),
+        stride=tuple(node.saved("stride")),
+        padding=tuple(node.saved("padding")),
+        dilation=tuple(node.saved("dilation")),
+        transposed=node.saved("transposed"),
+        output_padding=tuple(node.saved("output_padding")),
+        groups=node.saved("groups"),
+        output_mask=_mask(node, 3),
+    )
+    return _masked(node, outs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch norm. The cudnn and miopen kernels save the same statistics (mean and inverse std), and
+# torch's decompositions of their backward are native_batch_norm_backward with train=True.
+
+
+def _batch_norm(b, node, grads, *, eps: str, train: bool):
+    grad = grads[0]  # only the normalized output is differentiable; mean/invstd grads are ignored
+    if grad is None:
+        return [None] * node.num_outputs
+    stats = [_saved_or_none(node, n) for n in ("weight", "running_mean", "running_var", "result1", "result2")]
+    outs = emit_optional(
+        b, "batch_norm_backward", [grad, node.saved("input")], stats,
+        train=train, eps=node.saved(eps), output_mask=_mask(node, 3),
+    )
+    return _masked(node, outs)
+
+
+@register("NativeBatchNormBackward0", "NativeBatchNormLegitBackward0", "NativeBatchNormLegitBackward1")
+def native_batch_norm_backward(b, node, grads):
+    # input, weight, bias: native_batch_norm_backward(grad, input, weight, running_mean, running_var, result1, result2, training, eps, grad_input_mask)
+    return _batch_norm(b, node, grads, eps="eps", train=node.saved("training"))
+
+
+@register("NativeBatchNormLegitNoTrainingBackward0")
+def native_batch_norm_no_training_backward(b, node, grads):
+    # input, weight, bias: native_batch_norm_backward(grad, input, weight, running_mean, running_var, result1, result2, false, eps, grad_input_mask)
+    return _batch_norm(b, node, grads, eps="eps", train=False)
+
+
+@register("CudnnBatchNormBackward0", "MiopenBatchNormBackward0")
+def gpu_batch_norm_backward(b, node, grads):
+    # input, weight, bias: training ? {cudnn,miopen}_batch_norm_backward(...) (= native_batch_norm_backward(..., true, epsilon)) : native_batch_norm_backward(..., false, epsilon)
+    return _batch_norm(b, node, grads, eps="epsilon", train=node.saved("training"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling
+
+
+def _scatter_into_argmax(b, grad, indices, input_type, spatial: int):
+    """Add each gradient element into the input position its window's argmax came from. `indices`
+    are flat positions within each input plane of `spatial` dims, as torch's kernels return them."""
+    lead = input_type.shape[: input_type.ndim - spatial]
+    plane = 1
+    for s in input_type.shape[input_type.ndim - spatial :]:
+        plane *= s
+    flat_grad = b.reshape(grad, lead + (-1,))
+    flat_idx = b.reshape(indices, lead + (-1,))
+    base = b.full(lead + (plane,), 0, grad.dtype, grad.device)
+    return b.reshape(b.scatter_add(base, -1, flat_idx, flat_grad), input_type.shape)
+
+
+def _max_pool_rule(spatial: int):
+    def rule(b, node, grads):
+        # self: max_pool{2,3}d_with_indices_backward / adaptive_max_pool{2,3}d_backward(grad, self, ..., result1): scatter-add into the argmax
+        grad = grads[0]
+        if grad is None or not node.needs(0):
+            return [None]
+        self_ = node.saved("self")
+        return [_scatter_into_argmax(b, grad, node.saved("result1"), self_.type, spatial)]
+
+    return rule
+
+
+register("MaxPool2DWithIndicesBackward0", "AdaptiveMaxPool2DBackward0")(_max_pool_rule(2))
+register("MaxPool3DWithIndicesBackward0", "AdaptiveMaxPool3DBackward0")(_max_pool_rule(3))
+
+
+@register("AvgPool2DBackward0")
+def avg_pool2d_backward(b, node, grads):
+    # self: avg_pool2d_backward(grad, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    (grad,) = grads
+    out = b.emit(
+        "avg_pool2d_backward",
+        grad,
+        node.saved("self"),
+        kernel_size=tuple(node.saved("kernel_size")),
+        stride=tuple(node.saved("stride")),
+        padding=tuple(node.saved("padding")),
+        ceil_mode=node.saved("ceil_mode"),
+        count_include_pad=node.saved("count_include_pad"),
+        divisor_override=node.saved("divisor_override"),
+    )
+    return [out]
+
+
+@register("AdaptiveAvgPool2DBackward0")
+def adaptive_avg_pool2d_backward(b, node, grads):
+    # self: _adaptive_avg_pool2d_backward(grad, self)
+    (grad,) = grads
+    return [b.emit("adaptive_avg_pool2d_backward", grad, node.saved("self"))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding
+
+
+@register("EmbeddingBackward0")
+def embedding_backward(b, node, grads):
+    # weight: embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    (grad,) = grads
+    if node.saved("sparse"):
+        raise NotImplementedError("EmbeddingBackward0: sparse=True needs a sparse gradient, which the IR has no type for")
+    out = b.emit(
+        "embedding_backward",
+        grad,
+        node.saved("indices"),
+        num_weights=node.saved("weight_sym_argsize_0"),
+        padding_idx=_signed(node.saved("padding_idx")),
+        scale_grad_by_freq=node.saved("scale_grad_by_freq"),
+    )
+    return [out]
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaled dot product attention. Only the attention output is differentiable; the logsumexp and
+# the random state are saved for the backward kernel.
+
+
+@register("ScaledDotProductFlashAttentionForCpuBackward0")
+def sdpa_flash_cpu_backward(b, node, grads):
+    # query, key, value: _scaled_dot_product_flash_attention_for_cpu_backward(grad, query, key, value, output, logsumexp, dropout_p, is_causal, attn_mask, scale)
+    grad = grads[0]
+    if grad is None:
+        return [None] * node.num_outputs
+    fixed = [grad] + [node.saved(n) for n in ("query", "key", "value", "output", "logsumexp")]
+    outs = emit_optional(
+        b, "sdpa_flash_cpu_backward", fixed, [node.saved("attn_mask")],
+        dropout_p=node.saved("dropout_p"), is_causal=node.saved("is_causal"), scale=node.saved("scale"),
+    )
+    return _masked(node, outs)
+
+
+@register("ScaledDotProductEfficientAttentionBackward0")
+def sdpa_efficient_backward(b, node, grads):
+    # query, key, value, attn_bias: _scaled_dot_product_efficient_attention_backward(grad, query, key, value, attn_bias, output, log_sumexp, philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal, scale)
+    grad = grads[0]
+    if grad is None:
+        return [None] * node.num_outputs
+    fixed = [grad] + [node.saved(n) for n in ("query", "key", "value", "output", "log_sumexp", "philox_seed", "philox_offset")]
+    outs = emit_optional(
+        b, "sdpa_efficient_backward", fixed, [node.saved("attn_bias")],
+        dropout_p=node.saved("dropout_p"), grad_input_mask=_mask(node, 4),
+        is_causal=node.saved("is_causal"), scale=node.saved("scale"),
+    )
+    return _masked(node, outs)
+
+
+@register("ScaledDotProductFlashAttentionBackward0")
+def sdpa_flash_backward(b, node, grads):
+    # query, key, value: _scaled_dot_product_flash_attention_backward(grad, query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, scale)
+    grad = grads[0]
+    if grad is None:
+        return [None] * node.num_outputs
+    fixed = [grad] + [node.saved(n) for n in ("query", "key", "value", "output", "logsumexp", "rng_state", "unused")]
+    outs = emit_optional(
+        b, "sdpa_flash_backward", fixed, [node.saved("cum_seq_q"), node.saved("cum_seq_k")],
+        max_q=node.saved("max_q"), max_k=node.saved("max_k"), dropout_p=node.saved("dropout_p"),
+        is_causal=node.saved("is_causal"), scale=node.saved("scale"),
+    )
+    return _masked(node, outs)
+
+
+@register("ScaledDotProductCudnnAttentionBackward0")
+def sdpa_cudnn_backward(b, node, grads):
+    # query, key, value: _scaled_dot_product_cudnn_attention_backward(grad, query, key, value, output, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale)
+    grad = grads[0]
+    if grad is None:
+        return [None] * node.num_outputs
+    fixed = [grad] + [node.saved(n) for n in ("query", "key", "value", "output", "logsumexp", "philox_seed", "philox_offset")]
+    optional = [node.saved(n) for n in ("attn_bias", "cum_seq_q", "cum_seq_k")]
+    outs = emit_optional(
+        b, "sdpa_cudnn_backward", fixed, optional,
+        max_q=node.saved("max_q"), max_k=node.saved("max_k"), dropout_p=node.saved("dropout_p"),
+        is_causal=node.saved("is_causal"), scale=node.saved("scale"),
+    )
+    return _masked(node, outs)

@@ -1,0 +1,447 @@
+"""Backward rules of pointwise nodes: arithmetic, unary math, activations, where / clamp / copies.
+
+Each rule returns one gradient per edge, or None where the edge needs none. Broadcast gradients
+are left at the broadcast shape: the driver sums them back to each input's shape and casts them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .registry import register
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def opmath(b, x):
+    """Half and bfloat16 chains are computed in float32, as torch's CPU and CUDA kernels do."""
+    if hasattr(x, "dtype") and x.dtype in _LOW_PRECISION:
+        return b.cast(x, torch.float32)
+    return x
+
+
+def scaled(b, grad, alpha):
+    """grad * alpha, without emitting a multiply by one."""
+    return grad if alpha == 1 else b.mul(grad, alpha)
+
+
+def zeros_for(b, node, i):
+    """A real zero gradient (torch returns zeros_like here, not an undefined gradient)."""
+    return b.zeros(node.output_type(i))
+
+
+# ---------------------------------------------------------------------------------------------
+# Arithmetic
+
+
+@register("AddBackward0")
+def add_backward(b, node, grads):
+    # self: grad; other: grad * alpha
+    (g,) = grads
+    alpha = node.saved("alpha")
+    return [g if node.needs(0) else None, scaled(b, g, alpha) if node.needs(1) else None]
+
+
+@register("AddBackward1", "SubBackward1", "CloneBackward0")
+def identity_backward(b, node, grads):
+    # add.Scalar / sub.Scalar / clone: self: grad
+    return [grads[0]]
+
+
+@register("SubBackward0")
+def sub_backward(b, node, grads):
+    # self: grad; other: -grad * alpha
+    (g,) = grads
+    alpha = node.saved("alpha")
+    return [g if node.needs(0) else None, scaled(b, g, -alpha) if node.needs(1) else None]
+
+
+@register("RsubBackward0")
+def rsub_backward(b, node, grads):
+    # rsub(self, other) = other - alpha * self. self: -grad * alpha; other: grad
+    (g,) = grads
+    alpha = node.saved("alpha")
+    return [scaled(b, g, -alpha) if node.needs(0) else None, g if node.needs(1) else None]
+
+
+@register("RsubBackward1")
+def rsub_scalar_backward(b, node, grads):
+    # rsub.Scalar: self: -grad * alpha
+    return [scaled(b, grads[0], -node.saved("alpha"))]
+
+
+@register("MulBackward0")
+def mul_backward(b, node, grads):
+    # self: grad * other; other: grad * self
+    (g,) = grads
+    gs = b.mul(g, node.saved("other")) if node.needs(0) else None
+    go = b.mul(g, node.saved("self")) if node.needs(1) else None
+    return [gs, go]
+
+
+@register("MulBackward1")
+def mul_scalar_backward(b, node, grads):
+    # mul.Scalar: self: grad * other
+    return [scaled(b, grads[0], node.saved("other"))]
+
+
+def _div_grads(b, node, g):
+    # self: grad / other; other: -grad * ((self / other) / other)
+    other = node.saved("other")
+    gs = b.div(g, other) if node.needs(0) else None
+    go = None
+    if node.needs(1):
+        go = b.mul(b.neg(g), b.div(b.div(node.saved("self"), other), other))
+    return [gs, go]
+
+
+@register("DivBackward0")
+def div_backward(b, node, grads):
+    return _div_grads(b, node, grads[0])
+
+
+@register("DivBackward1")
+def div_scalar_backward(b, node, grads):
+    # div.Scalar: self: grad / other
+    return [b.div(grads[0], node.saved("other"))]
+
+
+@register("DivBackward2")
+def div_mode_backward(b, node, grads):
+    # div.Tensor_mode: with a rounding mode the quotient is piecewise constant: zero gradients
+    if node.saved("rounding_mode") is None:
+        return _div_grads(b, node, grads[0])
+    return [zeros_for(b, node, i) if node.needs(i) else None for i in range(2)]
+
+
+@register("DivBackward3")
+def div_scalar_mode_backward(b, node, grads):
+    # div.Scalar_mode: self: grad / other, or zeros with a rounding mode
+    if node.saved("rounding_mode") is None:
+        return [b.div(grads[0], node.saved("other"))]
+    return [zeros_for(b, node, 0)]
+
+
+@register("NegBackward0")
+def neg_backward(b, node, grads):
+    # self: -grad
+    return [b.neg(grads[0])]
+
+
+@register("PowBackward0")
+def pow_scalar_backward(b, node, grads):
+    # self: exponent == 0 ? zeros : grad * (exponent * self.pow(exponent - 1))
+    exponent = node.saved("exponent")
+    if exponent == 0:
+        return [zeros_for(b, node, 0)]
+    if exponent == 1:
+        return [grads[0]]
+    x = node.saved("self")
+    power = x if exponent == 2 else b.pow(x, float(exponent) - 1.0)
+    return [b.mul(grads[0], b.mul(power, float(exponent)))]
+
+
+@register("PowBackward1")
+def pow_tensor_backward(b, node, grads):
+    # self: where(exponent == 0, 0, grad * (exponent * self.pow(exponent - 1)))
+    # exponent: grad * where(self == 0 & exponent >= 0, 0, result * log(self))
+    (g,) = grads
+    x, e = node.saved("self"), node.saved("exponent")
+    gx = ge = None
+    if node.needs(0):
+        gx = b.where(b.eq(e, 0.0), 0.0, b.mul(g, b.mul(e, b.pow(x, b.sub(e, 1.0)))))
+    if node.needs(1):
+        base_is_zero = b.logical_and(b.eq(x, 0.0), b.ge(e, 0.0))
+        ge = b.mul(g, b.where(base_is_zero, 0.0, b.mul(node.saved("result"), b.log(x))))
+    return [gx, ge]
+
+
+@register("PowBackward2")
+def pow_scalar_base_backward(b, node, grads):
+    # exponent: grad * (base == 0 ? where(exponent >= 0, 0, result * log(base)) : result * log(base))
+    base, e, result = node.saved("self"), node.saved("exponent"), node.saved("result")
+    log_base = math.log(base) if base > 0 else (-math.inf if base == 0 else math.nan)
+    dresult = b.mul(result, log_base)
+    if base == 0:
+        dresult = b.where(b.ge(e, 0.0), 0.0, dresult)
+    return [b.mul(grads[0], dresult)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Unary math
+
+
+@register("ExpBackward0")
+def exp_backward(b, node, grads):
+    # self: grad * result
+    return [b.mul(grads[0], node.saved("result"))]
+
+
+@register("LogBackward0")
+def log_backward(b, node, grads):
+    # self: grad / self
+    return [b.div(grads[0], node.saved("self"))]
+
+
+@register("SqrtBackward0")
+def sqrt_backward(b, node, grads):
+    # self: grad / (2 * result)
+    return [b.div(grads[0], b.mul(node.saved("result"), 2))]
+
+
+@register("RsqrtBackward0")
+def rsqrt_backward(b, node, grads):
+    # self: -0.5 * grad * result.pow(3)
+    r = node.saved("result")
+    return [b.mul(b.mul(grads[0], -0.5), b.mul(b.mul(r, r), r))]
+
+
+@register("AbsBackward0")
+def abs_backward(b, node, grads):
+    # self: grad * self.sgn()
+    return [b.mul(grads[0], b.sign(node.saved("self")))]
+
+
+@register("ReciprocalBackward0")
+def reciprocal_backward(b, node, grads):
+    # self: -grad * (result * result)
+    r = node.saved("result")
+    return [b.mul(b.neg(grads[0]), b.mul(r, r))]
+
+
+@register("SinBackward0")
+def sin_backward(b, node, grads):
+    # self: grad * self.cos()
+    return [b.mul(grads[0], b.cos(node.saved("self")))]
+
+
+@register("CosBackward0")
+def cos_backward(b, node, grads):
+    # self: grad * -self.sin()
+    return [b.mul(grads[0], b.neg(b.sin(node.saved("self"))))]
+
+
+@register("Log1PBackward0")
+def log1p_backward(b, node, grads):
+    # self: grad / (self + 1)
+    return [b.div(grads[0], b.add(node.saved("self"), 1))]
+
+
+@register("Expm1Backward0")
+def expm1_backward(b, node, grads):
+    # self: grad * (result + 1)
+    return [b.mul(grads[0], b.add(node.saved("result"), 1))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+@register("ReluBackward0")
+def relu_backward(b, node, grads):
+    # self: threshold_backward(grad, result, 0) = where(result <= 0, 0, grad)
+    return [b.where(b.le(node.saved("result"), 0), 0, grads[0])]
+
+
+@register("ThresholdBackward0")
+def threshold_backward(b, node, grads):
+    # self: where(self <= threshold, 0, grad)
+    return [b.where(b.le(node.saved("self"), node.saved("threshold")), 0, grads[0])]
+
+
+_SQRT1_2 = math.sqrt(0.5)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_KAPPA = 0.044715
+
+
+@register("GeluBackward0")
+def gelu_backward(b, node, grads):
+    g, x = opmath(b, grads[0]), opmath(b, node.saved("self"))
+    if node.saved("approximate") == "tanh":
+        # u = sqrt(2/pi) (x + k x^3); grad * (0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u')
+        x2 = b.mul(x, x)
+        t = b.tanh(b.mul(b.add(x, b.mul(b.mul(x2, x), _GELU_KAPPA)), _SQRT_2_OVER_PI))
+        du = b.mul(b.add(b.mul(x2, 3 * _GELU_KAPPA), 1.0), _SQRT_2_OVER_PI)
+        left = b.mul(b.add(t, 1.0), 0.5)
+        right = b.mul(b.mul(b.mul(x, 0.5), b.sub(1.0, b.mul(t, t))), du)
+        return [b.mul(g, b.add(left, right))]
+    # approximate="none": grad * (Phi(x) + x * phi(x))
+    cdf = b.mul(b.add(b.erf(b.mul(x, _SQRT1_2)), 1.0), 0.5)
+    pdf = b.mul(b.exp(b.mul(b.mul(x, x), -0.5)), _INV_SQRT_2PI)
+    return [b.mul(g, b.add(cdf, b.mul(x, pdf)))]
+
+
+@register("SiluBackward0")
+def silu_backward(b, node, grads):
+    # self: grad * sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+    g, x = opmath(b, grads[0]), opmath(b, node.saved("self"))
+    s = b.sigmoid(x)
+    return [b.mul(b.mul(g, s), b.add(b.mul(x, b.sub(1.0, s)), 1.0))]
+
+
+@register("TanhBackward0")
+def tanh_backward(b, node, grads):
+    # self: grad * (1 - result * result)
+    g, y = opmath(b, grads[0]), opmath(b, node.saved("result"))
+    return [b.mul(g, b.sub(1.0, b.mul(y, y)))]
+
+
+@register("SigmoidBackward0")
+def sigmoid_backward(b, node, grads):
+    # self: grad * (1 - result) * result
+    g, y = opmath(b, grads[0]), opmath(b, node.saved("result"))
+    return [b.mul(b.mul(g, b.sub(1.0, y)), y)]
+
+
+@register("NativeDropoutBackward0")
+def native_dropout_backward(b, node, grads):
+    # input: grad * mask * (p == 1 ? 0 : 1 / (1 - p))
+    # torch does not expose the node's `train` flag; native_dropout is reached from F.dropout only
+    # with train=True (eval-mode dropout records no node), so the training scale is used.
+    p = node.saved("p")
+    scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+    g = grads[0]
+    return [b.mul(b.mul(g, b.cast(node.saved("result1"), g.dtype)), scale)]
+
+
+# ---------------------------------------------------------------------------------------------
+# where, masked_fill, clamp, min/max of two tensors, copies
+
+
+@register("WhereBackward0")
+def where_backward(b, node, grads):
+    # self: where(condition, grad, 0); other: where(condition, 0, grad)
+    (g,) = grads
+    cond = node.saved("condition")
+    return [
+        b.where(cond, g, 0) if node.needs(0) else None,
+        b.where(cond, 0, g) if node.needs(1) else None,
+    ]
+
+
+@register("MaskedFillBackward0")
+def masked_fill_backward(b, node, grads):
+    # self: grad.masked_fill(mask, 0)
+    return [b.where(node.saved("mask"), 0, grads[0])]
+
+
+@register("MaskedFillBackward1")
+def masked_fill_tensor_backward(b, node, grads):
+    # self: grad.masked_fill(mask, 0); value: where(mask, grad, 0).sum()
+    (g,) = grads
+    mask = node.saved("mask")
+    return [
+        b.where(mask, 0, g) if node.needs(0) else None,
+        b.sum(b.where(mask, g, 0)) if node.needs(1) else None,
+    ]
+
+
+def _pass_between(b, g, x, lo, hi):
+    """where(lo <= x <= hi, g, 0); a None bound is no bound."""
+    if lo is None and hi is None:
+        return g
+    if lo is None:
+        keep = b.le(x, hi)
+    elif hi is None:
+        keep = b.ge(x, lo)
+    else:
+        keep = b.logical_and(b.ge(x, lo), b.le(x, hi))
+    return b.where(keep, g, 0)
+
+
+@register("ClampBackward1")
+def clamp_scalar_backward(b, node, grads):
+    # self: where(min <= self <= max, grad, 0) (subgradient 1 at the bounds)
+    return [_pass_between(b, grads[0], node.saved("self"), node.saved("min"), node.saved("max"))]
+
+
+@register("ClampBackward0")
+def clamp_tensor_backward(b, node, grads):
+    # self: where(min <= self <= max, grad, 0)
+    # min: where(self < min & min < max, grad, 0); max: where(self > max | max < min, grad, 0)
+    (g,) = grads
+    x, lo, hi = node.saved("self"), node.saved("min"), node.saved("max")
+    gx = _pass_between(b, g, x, lo, hi) if node.needs(0) else None
+    glo = ghi = None
+    if lo is not None and hi is not None:
+        if node.needs(1):
+            glo = b.where(b.logical_and(b.lt(x, lo), b.lt(lo, hi)), g, 0)
+        if node.needs(2):
+            ghi = b.where(b.logical_or(b.gt(x, hi), b.lt(hi, lo)), g, 0)
+    elif lo is not None and node.needs(1):
+        glo = b.where(b.lt(x, lo), g, 0)
+    elif hi is not None and node.needs(2):
+        ghi = b.where(b.gt(x, hi), g, 0)
+    return [gx, glo, ghi]
+
+
+@register("ClampMinBackward0")
+def clamp_min_scalar_backward(b, node, grads):
+    # self: where(self >= min, grad, 0)
+    return [b.where(b.ge(node.saved("self"), node.saved("min")), grads[0], 0)]
+
+
+@register("ClampMinBackward1")
+def clamp_min_tensor_backward(b, node, grads):
+    # self: where(self >= min, grad, 0); min: where(self < min, grad, 0)
+    (g,) = grads
+    x, lo = node.saved("self"), node.saved("min")
+    return [
+        b.where(b.ge(x, lo), g, 0) if node.needs(0) else None,
+        b.where(b.lt(x, lo), g, 0) if node.needs(1) else None,
+    ]
+
+
+@register("ClampMaxBackward0")
+def clamp_max_scalar_backward(b, node, grads):
+    # self: where(self <= max, grad, 0)
+    return [b.where(b.le(node.saved("self"), node.saved("max")), grads[0], 0)]
+
+
+@register("ClampMaxBackward1")
+def clamp_max_tensor_backward(b, node, grads):
+    # self: where(self <= max, grad, 0); max: where(self > max, grad, 0)
+    (g,) = grads
+    x, hi = node.saved("self"), node.saved("max")
+    return [
+        b.where(b.le(x, hi), g, 0) if node.needs(0) else None,
+        b.where(b.gt(x, hi), g, 0) if node.needs(1) else None,
+    ]
+
+
+def _select_with_ties(b, g, x, y, loses):
+    """where(loses, 0, where(x == y, grad / 2, grad)): ties split the gradient evenly."""
+    return b.where(loses, 0, b.where(b.eq(x, y), b.div(g, 2), g))
+
+
+@register("MaximumBackward0")
+def maximum_backward(b, node, grads):
+    # self: where(self == other, grad / 2, grad).masked_fill(self < other, 0); other: symmetric
+    (g,) = grads
+    x, y = node.saved("self"), node.saved("other")
+    return [
+        _select_with_ties(b, g, x, y, b.lt(x, y)) if node.needs(0) else None,
+        _select_with_ties(b, g, x, y, b.gt(x, y)) if node.needs(1) else None,
+    ]
+
+
+@register("MinimumBackward0")
+def minimum_backward(b, node, grads):
+    # self: where(self == other, grad / 2, grad).masked_fill(self > other, 0); other: symmetric
+    (g,) = grads
+    x, y = node.saved("self"), node.saved("other")
+    return [
+        _select_with_ties(b, g, x, y, b.gt(x, y)) if node.needs(0) else None,
+        _select_with_ties(b, g, x, y, b.lt(x, y)) if node.needs(1) else None,
+    ]
+
+
+@register("ToCopyBackward0")
+def to_copy_backward(b, node, grads):
+    # self: grad.to(self.options()); the driver casts the dtype, the rule moves the device
+    g, expected = grads[0], node.output_type(0)
+    if expected is not None and g.device != expected.device:
+        g = b.to_device(g, expected.device)
+    return [g]

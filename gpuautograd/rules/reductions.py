@@ -1,0 +1,124 @@
+"""Backward rules of reductions: sum, mean, and the value-selecting max / min / amax / amin."""
+from __future__ import annotations
+
+import torch
+
+from ..ir.builder import normalize_dims
+from .registry import register
+
+
+_INT64_WRAP = 1 << 64
+
+
+def signed(v):
+    """torch hands saved int64 values (dims, ignore_index) to Python as unsigned 64-bit numbers
+    (dim=-1 reads as 2**64 - 1); this folds them back, in ints and in tuples of ints."""
+    if isinstance(v, (tuple, list)):
+        return tuple(signed(x) for x in v)
+    if isinstance(v, int) and not isinstance(v, bool) and v >= (1 << 63):
+        return v - _INT64_WRAP
+    return v
+
+
+def saved_dim(node, name: str = "dim"):
+    return signed(node.saved(name))
+
+
+def reduced_dims(dim, ndim: int) -> tuple[int, ...]:
+    """The dims a reduction over `dim` removed: None or () means every dim, as in torch."""
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+        return tuple(range(ndim))
+    return normalize_dims(dim, ndim)
+
+
+def restore_reduced_dims(b, x, dims, keepdim: bool):
+    """Put back the size-1 dims that a keepdim=False reduction dropped (torch's unsqueeze_multiple)."""
+    if keepdim:
+        return x
+    shape = list(x.shape)
+    for d in dims:  # sorted ascending, so each insert lands at its final position
+        shape.insert(d, 1)
+    return b.reshape(x, shape)
+
+
+def _sum_backward(b, grad, sizes, dim, keepdim):
+    # grad.unsqueeze(dims) (unless keepdim) .expand(sizes)
+    sizes = tuple(sizes)
+    dims = reduced_dims(dim, len(sizes))
+    return b.expand(restore_reduced_dims(b, grad, dims, keepdim), sizes)
+
+
+def _count(sizes, dims) -> int:
+    n = 1
+    for d in dims:
+        n *= sizes[d]
+    return n
+
+
+@register("SumBackward0")
+def sum_backward(b, node, grads):
+    # self: grad.expand(self.sizes())
+    return [b.expand(grads[0], tuple(node.saved("self_sym_sizes")))]
+
+
+@register("SumBackward1")
+def sum_dim_backward(b, node, grads):
+    # self: sum_backward(grad, self.sizes(), dim, keepdim)
+    return [_sum_backward(b, grads[0], node.saved("self_sym_sizes"), saved_dim(node), node.saved("keepdim"))]
+
+
+@register("MeanBackward0")
+def mean_backward(b, node, grads):
+    # self: grad.expand(self.sizes()) / self.numel()
+    g = b.div(grads[0], node.saved("self_sym_numel"))
+    return [b.expand(g, tuple(node.saved("self_sym_sizes")))]
+
+
+@register("MeanBackward1")
+def mean_dim_backward(b, node, grads):
+    # self: sum_backward(grad, self.sizes(), dim, keepdim) / (number of reduced elements)
+    sizes, dim = tuple(node.saved("self_sym_sizes")), saved_dim(node)
+    g = b.div(grads[0], _count(sizes, reduced_dims(dim, len(sizes))))
+    return [_sum_backward(b, g, sizes, dim, node.saved("keepdim"))]
+
+
+@register("MaxBackward0", "MinBackward0")
+def value_selecting_backward(b, node, grads):
+    # self: zeros(sizes).scatter(dim, indices, grad), indices and grad unsqueezed unless keepdim
+    g = grads[0]  # grads[1] belongs to the integer indices output and is always None
+    if g is None:
+        return [None]
+    sizes = tuple(node.saved("self_sym_sizes"))
+    if not sizes:  # a 0-dim input: the value is the input
+        return [g]
+    dim = saved_dim(node) % len(sizes)
+    keepdim = node.saved("keepdim")
+    g = restore_reduced_dims(b, g, (dim,), keepdim)
+    indices = restore_reduced_dims(b, node.saved("indices"), (dim,), keepdim)
+    return [b.scatter(b.full(sizes, 0, g.dtype, g.device), dim, indices, g)]
+
+
+def _ties(b, x, value):
+    """x == value, where a NaN value selects the NaNs of x (as torch's evenly_distribute_backward)."""
+    return b.logical_or(b.eq(x, value), b.logical_and(b.ne(x, x), b.ne(value, value)))
+
+
+@register("MaxBackward1", "MinBackward1")
+def evenly_distribute_backward(b, node, grads):
+    # self: mask = (self == result); where(mask, grad / mask.sum(), 0): ties share the gradient
+    x = node.saved("self")
+    mask = _ties(b, x, node.saved("result"))
+    count = b.sum(b.cast(mask, torch.int64))
+    return [b.where(mask, b.div(grads[0], count), 0)]
+
+
+@register("AmaxBackward0", "AminBackward0")
+def amax_backward(b, node, grads):
+    # self: mask = (restore(result) == self); (restore(grad) / mask.sum(dim, keepdim=True)) * mask
+    x = node.saved("self")
+    dims = reduced_dims(saved_dim(node), x.ndim)
+    keepdim = node.saved("keepdim")
+    g = restore_reduced_dims(b, grads[0], dims, keepdim)
+    mask = b.eq(restore_reduced_dims(b, node.saved("result"), dims, keepdim), x)
+    count = b.sum(b.cast(mask, torch.int64), dims, keepdim=True)
+    return [b.mul(b.div(g, count), mask)]

@@ -1,0 +1,91 @@
+"""The plan cache: programs keyed by graph structure and tensor metadata, with readable misses.
+
+The key is everything a program depends on, as the walk built it. On a miss, the most recent key
+of the same graph structure (node types and edges) is compared with the new one, so `stats()`
+can name the guard that failed ("node 3 (MmBackward0) saved self: f32[8, 16] -> f32[4, 16]").
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ir.program import Program
+from ..ir.types import TensorType
+
+
+@dataclass
+class Entry:
+    program: Program | None
+    compiled: Any  # a callable taking the argument list
+    arg_plan: list[tuple[str, int]] = field(default_factory=list)
+    sinks: list[tuple[str, int, int, bool]] = field(default_factory=list)  # kind, index, slot, owned
+    opaque_nodes: list[int] = field(default_factory=list)  # released after the run
+    functional_nodes: list[int] = field(default_factory=list)  # released before the run
+    fallback_reason: str | None = None  # set when this graph must run eagerly
+
+
+class PlanCache:
+    def __init__(self) -> None:
+        self.entries: "collections.OrderedDict[Any, Entry]" = collections.OrderedDict()
+        self.by_structure: dict[Any, Any] = {}  # structure -> last full key seen
+        self.captures_per_structure: collections.Counter = collections.Counter()
+
+    def get(self, key) -> Entry | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key, entry: Entry, limit: int) -> None:
+        self.entries[key] = entry
+        while len(self.entries) > limit:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.by_structure.clear()
+        self.captures_per_structure.clear()
+
+
+def structure_of(key) -> tuple:
+    """The part of a key that names the graph, not the sizes: node types, edges, roots, inputs."""
+    backend, mode, _root_metas, roots, inputs, nodes = key
+    return (backend, mode, roots, inputs, tuple(e[:2] if isinstance(e[0], type) else e for e in nodes))
+
+
+def _fmt_meta(meta) -> str:
+    if isinstance(meta, tuple) and len(meta) == 4 and isinstance(meta[2], torch.dtype):
+        return f"{TensorType(tuple(meta[0]), meta[2], meta[3])} stride {tuple(meta[1])}"
+    if isinstance(meta, tuple) and len(meta) == 3 and isinstance(meta[1], torch.dtype):
+        return str(TensorType(tuple(meta[0]), meta[1], meta[2]))
+    return repr(meta)
+
+
+def explain_miss(old, new, classes) -> str:
+    """The first guard of `old` that `new` fails, in words."""
+    head_names = ("backend", "mode", "root gradients", "roots", "inputs")
+    for name, a, b in zip(head_names, old[:-1], new[:-1]):
+        if a != b:
+            if name == "root gradients":
+                return f"root gradient changed: {', '.join(map(_fmt_meta, a))} -> {', '.join(map(_fmt_meta, b))}"
+            return f"{name} changed: {a!r} -> {b!r}"
+    for i, (a, b) in enumerate(zip(old[-1], new[-1])):
+        if a == b:
+            continue
+        if not isinstance(a[0], type):
+            return f"retained tensors changed: {a!r} -> {b!r}"
+        info = classes[i]
+        where = f"node {i} ({info.name})"
+        if a[2] != b[2]:
+            return f"{where} gradient metadata: {', '.join(map(_fmt_meta, a[2]))} -> {', '.join(map(_fmt_meta, b[2]))}"
+        if info.kind == "accumulate":
+            return f"{where} leaf: {_fmt_meta(a[3])} -> {_fmt_meta(b[3])}"
+        if info.kind == "cpp":
+            for name, x, y in zip(info.saved_names, a[3], b[3]):
+                if x != y:
+                    return f"{where} saved {name}: {_fmt_meta(x)} -> {_fmt_meta(y)}"
+        return f"{where}: {a[3]!r} -> {b[3]!r}"
+    return "new graph structure"

@@ -1,0 +1,206 @@
+"""One backward: walk, look up the plan, bind, run, and deliver the gradients.
+
+Cache hit path: walk (builds the key and collects the saved tensors) -> dict lookup -> bind the
+argument list -> release what eager releases -> run -> accumulate. No rule runs on a hit.
+"""
+from __future__ import annotations
+
+import gc
+import warnings
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from .. import flags
+from ..capture.lower import Request, lower
+from ..capture.walk import ACCUMULATE, CPP, PYTHON, release_saved, tensor_meta, walk
+from ..ir.ops import get_op
+from ..ir.program import Program, Value
+from ..ir.types import TensorType
+from ..ir.verifier import verify
+from ..passes import optimize
+from . import stats as stats_module
+from .accumulate import accumulate_grad, retain_grad
+from .cache import Entry, PlanCache, explain_miss, structure_of
+from .reference import compile_reference
+
+CACHE = PlanCache()
+
+
+class Fallback(Exception):
+    """This backward can't be honored functionally; run eager autograd instead (reason in args)."""
+
+
+def _backend(backend: str | None) -> str:
+    backend = backend or flags.backend()
+    if backend not in flags.BACKENDS:
+        raise ValueError(f"unknown gpuautograd backend {backend!r}; available: {flags.BACKENDS}")
+    return "reference" if backend == "auto" else backend
+
+
+def _edge(t: torch.Tensor, index: dict):
+    edge = get_gradient_edge(t)
+    j = index.get(edge.node)
+    return None if j is None else (j, edge.output_nr)
+
+
+def prepare(roots, grads, inputs, accumulate: bool, backend: str | None):
+    """Walk the graph and build the full cache key. Returns (walk, key, request pieces)."""
+    backend = _backend(backend)
+    root_nodes = []
+    root_nrs = []
+    for t in roots:
+        edge = get_gradient_edge(t)
+        root_nodes.append(edge.node)
+        root_nrs.append(edge.output_nr)
+    w = walk(root_nodes)
+    if w.hook_reason:
+        raise Fallback(w.hook_reason)
+    root_edges = tuple((w.index[n], nr) for n, nr in zip(root_nodes, root_nrs))
+    input_edges = tuple(_edge(t, w.index) for t in inputs) if inputs else ()
+    key = (backend, accumulate, tuple(tensor_meta(g) for g in grads), root_edges, input_edges, tuple(w.key))
+    return w, key, root_edges, input_edges
+
+
+def run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: str | None):
+    """Run one backward. Returns grad()'s results (or None for backward())."""
+    # The walk allocates thousands of small tuples; with a large model alive, the collections they
+    # trigger would cost as much as the walk itself, and a backward creates no reference cycles.
+    gc_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _run(roots, grads, retain_graph, inputs, accumulate, backend)
+    finally:
+        if gc_enabled:
+            gc.enable()
+
+
+def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: str | None):
+    w, key, root_edges, input_edges = prepare(roots, grads, inputs, accumulate, backend)
+    st = stats_module.STATS
+    entry = CACHE.get(key)
+    if entry is None:
+        entry = _capture(w, key, grads, root_edges, input_edges, accumulate)
+    else:
+        st.cache_hits += 1
+    if entry.fallback_reason:
+        raise Fallback(entry.fallback_reason)
+
+    saved, nodes = w.saved, w.nodes
+    args = []
+    for kind, i in entry.arg_plan:
+        args.append(saved[i] if kind == "saved" else grads[i] if kind == "grad" else nodes[i])
+    saved.clear()  # from here the argument list holds the only program references
+    if not retain_graph:
+        # The program now owns what it reads; a functional node never looks at its saved tensors again.
+        release_saved([nodes[i] for i in entry.functional_nodes], [w.classes[i] for i in entry.functional_nodes])
+    with torch.no_grad():  # eager runs backward with grad mode = create_graph, which is False here
+        outs = entry.compiled(args)
+    if not retain_graph and entry.opaque_nodes:
+        release_saved([nodes[i] for i in entry.opaque_nodes], [w.classes[i] for i in entry.opaque_nodes])
+
+    retained = {(j, nr): t for j, nr, t in w.retained}
+    if accumulate:
+        for (j, nr), t in zip(input_edges, inputs or ()):
+            if t.grad_fn is not None:
+                retained[(j, nr)] = t
+    results = []
+    with torch.no_grad():
+        for g, (kind, i, slot, owned) in zip(outs, entry.sinks):
+            if kind == "input":
+                results.append(g)
+            elif g is None:
+                continue
+            elif kind == "leaf":
+                accumulate_grad(nodes[i].variable, g, owned)
+            elif kind == "retain":
+                retain_grad(retained[(i, slot)], g)
+    return None if accumulate else results
+
+
+def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
+    st = stats_module.STATS
+    structure = structure_of(key)
+    previous = CACHE.by_structure.get(structure)
+    reason = explain_miss(previous, key, w.classes) if previous is not None else "new graph structure"
+    st.cache_misses.append(reason)
+    count = CACHE.captures_per_structure[structure] = CACHE.captures_per_structure[structure] + 1
+    CACHE.by_structure[structure] = key
+    if flags.debug_level() >= 1:
+        print(f"[gpuautograd] cache miss: {reason}")
+    if count > flags.recapture_limit():
+        entry = Entry(None, None, fallback_reason=f"recaptured {count - 1} times for one graph structure (last: {reason}); set GPUAUTOGRAD_RECAPTURE_LIMIT to allow more")
+        CACHE.put(key, entry, flags.cache_size())
+        return entry
+    st.captures += 1
+    entry = build_entry(w, grads, root_edges, input_edges, accumulate)
+    if flags.debug_level() >= 2 and entry.program is not None:
+        print(f"[gpuautograd] captured program:\n{entry.program}")
+    CACHE.put(key, entry, flags.cache_size())
+    return entry
+
+
+def unsupported_reason(w, grads) -> str | None:
+    for t in grads:
+        if t.is_complex():
+            return "complex gradients are not supported"
+        if t.layout != torch.strided:
+            return f"{t.layout} gradients are not supported"
+    for entry in w.key:
+        for meta in entry[2] if isinstance(entry[0], type) else ():
+            if meta[1].is_complex:
+                return "complex tensors are not supported"
+    return None
+
+
+def build_entry(w, grads, root_edges, input_edges, accumulate: bool) -> Entry:
+    reason = unsupported_reason(w, grads)
+    if reason:
+        return Entry(None, None, fallback_reason=reason)
+    request = Request(list(root_edges), [TensorType.of(g) for g in grads], list(input_edges), accumulate)
+    program = lower(w, request)
+    program = optimize(program, stats_module.STATS.pass_seconds)
+    verify(program)
+    compiled = compile_reference(program)
+    arg_plan = [(spec.kind, spec.index) for _, spec in program.inputs]
+    owned = owned_outputs(program)
+    sinks = [(spec.kind, spec.index, spec.slot, own) for (_, spec), own in zip(program.outputs, owned)]
+    opaque = sorted({spec.index for _, spec in program.inputs if spec.kind == "node"})
+    functional = [i for i in program.executed if i not in set(opaque)]
+    return Entry(program, compiled, arg_plan, sinks, opaque, functional)
+
+
+def owned_outputs(program: Program) -> list[bool]:
+    """For each output: may it become a leaf's .grad without a copy? Only a fresh result of the
+    program that no other output shares and that aliases no input (torch's use_count check)."""
+    root: dict[int, int | None] = {}  # value -> the value whose storage it may alias (None: an input)
+    for v, _ in program.inputs:
+        root[id(v)] = None
+    for instr in program.instrs:
+        opdef = get_op(instr.op)
+        for o in instr.outputs:
+            if o is None:
+                continue
+            if opdef.kind == "opaque":
+                root[id(o)] = None  # a custom backward may return its input
+            elif opdef.view and isinstance(instr.inputs[0], Value):
+                root[id(o)] = root.get(id(instr.inputs[0]))
+            else:
+                root[id(o)] = id(o)
+    roots = [root.get(id(v)) if v is not None else None for v, _ in program.outputs]
+    counts: dict = {}
+    for r in roots:
+        counts[r] = counts.get(r, 0) + 1
+    return [r is not None and counts[r] == 1 for r in roots]
+
+
+def warn_fallback(reason: str) -> None:
+    """Count the fallback; warn once per reason (until gpuautograd.reset())."""
+    st = stats_module.STATS
+    st.fallbacks[reason] += 1
+    if reason not in st.warned:
+        st.warned.add(reason)
+        warnings.warn(f"gpuautograd falls back to eager torch.autograd: {reason}", RuntimeWarning, stacklevel=4)
+
+
+__all__ = ["run", "prepare", "Fallback", "CACHE", "build_entry", "warn_fallback", "ACCUMULATE", "CPP", "PYTHON"]

@@ -1,0 +1,73 @@
+"""The reference executor: one torch call per IR op, on any device.
+
+The program is turned into the source of one flat Python function (a trace you can read), with
+each op's reference implementation bound as a global. Values are deleted after their last use,
+so saved activations and intermediates are freed as the backward goes, as in eager.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from ..ir.ops import get_op
+from ..ir.program import Program, Value
+
+
+class CompiledProgram:
+    def __init__(self, fn, source: str) -> None:
+        self.fn = fn
+        self.source = source
+
+    def __call__(self, args: list):
+        return self.fn(args)
+
+
+def _local(v: Value) -> str:
+    return v.name[1:] if v.prefix else "v" + str(v.id)
+
+
+def compile_reference(program: Program) -> CompiledProgram:
+    last_use: dict[int, int] = {}
+    for k, instr in enumerate(program.instrs):
+        for x in instr.inputs:
+            if isinstance(x, Value):
+                last_use[id(x)] = k
+    keep = {id(v) for v, _ in program.outputs if v is not None}
+
+    env: dict = {}
+    lines = ["def backward(args):"]
+    params = [_local(v) for v, _ in program.inputs]
+    if params:
+        lines.append(f"    {', '.join(params)}, = args")
+        lines.append("    args.clear()  # the program now holds the only references")
+        dead = [_local(v) for v, _ in program.inputs if id(v) not in last_use and id(v) not in keep]
+        if dead:
+            lines.append(f"    del {', '.join(dead)}")
+
+    for k, instr in enumerate(program.instrs):
+        fn_name = f"{instr.op}_{k}"
+        impl = get_op(instr.op).impl
+        env[fn_name] = functools.partial(impl, **instr.attrs) if instr.attrs else impl
+        args = []
+        for x in instr.inputs:
+            if isinstance(x, Value):
+                args.append(_local(x))
+            elif isinstance(x, float) and not math.isfinite(x):
+                const = f"const_{len(env)}"
+                env[const] = x
+                args.append(const)
+            else:
+                args.append(repr(x))
+        outs = ["_" if o is None else _local(o) for o in instr.outputs]
+        many = len(outs) > 1 or instr.op == "opaque"
+        lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
+        lines.append(f"    {lhs} = {fn_name}({', '.join(args)})")
+        dead = [_local(x) for x in {id(x): x for x in instr.inputs if isinstance(x, Value)}.values() if last_use[id(x)] == k and id(x) not in keep]
+        dead += [_local(o) for o in instr.outputs if o is not None and id(o) not in last_use and id(o) not in keep]
+        if dead:
+            lines.append(f"    del {', '.join(dead)}")
+    rets = ["None" if v is None else _local(v) for v, _ in program.outputs]
+    lines.append(f"    return ({', '.join(rets)}{',' if len(rets) == 1 else ''})")
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, "<gpuautograd backward>", "exec"), env)
+    return CompiledProgram(env["backward"], source)

@@ -1,0 +1,46 @@
+"""Shared test helpers: compare gpuautograd's gradients with torch.autograd's on the same graph."""
+from __future__ import annotations
+
+import torch
+
+import gpuautograd
+from gpuautograd.tolerances import TOLERANCES
+
+
+def assert_close(actual, expected, dtype=None, msg=""):
+    dtype = dtype or expected.dtype
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{msg}\n{m}")
+
+
+def check_grads(fn, *inputs, grad_output=None, backend="reference", allow_opaque=False):
+    """Run `fn(*inputs)` once, then take gradients of its output(s) with respect to every input
+    that requires grad, with gpuautograd (retaining the graph) and with torch.autograd. Asserts
+    they agree within TOLERANCES and that no node ran as an opaque call. Returns the gradients."""
+    out = fn(*inputs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    if grad_output is None:
+        grad_output = [torch.randn_like(o) for o in outs]
+    report = gpuautograd.explain(outs, grad_output)
+    if not allow_opaque:
+        assert not report.opaque_nodes, f"opaque nodes: {report.opaque_nodes}\n{report}"
+    ours = gpuautograd.grad(outs, wrt, grad_output, retain_graph=True, allow_unused=True, backend=backend)
+    theirs = torch.autograd.grad(outs, wrt, grad_output, allow_unused=True)
+    for i, (a, e) in enumerate(zip(ours, theirs)):
+        if e is None:
+            assert a is None, f"input {i}: torch gives no gradient, gpuautograd gives {a}"
+            continue
+        assert a is not None, f"input {i}: gpuautograd gives no gradient\n{report}"
+        assert a.shape == e.shape and a.dtype == e.dtype, f"input {i}: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
+        assert_close(a, e, msg=f"gradient of input {i} ({tuple(e.shape)}, {e.dtype})\n{report.program}")
+    return ours
+
+
+def rand(*shape, dtype=torch.float64, requires_grad=True, noncontiguous=False):
+    """A random leaf; `noncontiguous` makes it a transposed view of a leaf of swapped shape."""
+    if noncontiguous and len(shape) >= 2:
+        base = torch.randn(*shape[:-2], shape[-1], shape[-2], dtype=dtype).transpose(-1, -2)
+        return base.detach().requires_grad_(requires_grad)
+    return torch.randn(*shape, dtype=dtype).requires_grad_(requires_grad)

@@ -1,0 +1,210 @@
+"""API semantics: gpuautograd.backward / grad behave like torch.autograd's, errors included."""
+import warnings
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import gpuautograd
+from tests.helpers import assert_close, rand
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    gpuautograd.reset()
+    yield
+
+
+def graph(dtype=torch.float64):
+    x = rand(5, 3, dtype=dtype)
+    w = rand(3, 4, dtype=dtype, noncontiguous=True)
+    b = rand(4, dtype=dtype)
+    h = torch.tanh(x @ w + b)
+    return (x, w, b), h
+
+
+def test_backward_accumulates_like_torch_including_strides():
+    (x, w, b), h = graph()
+    loss = (h * h).sum()
+    gpuautograd.backward(loss, retain_graph=True)
+    ours = [t.grad.clone() for t in (x, w, b)]
+    strides = [t.grad.stride() for t in (x, w, b)]
+    gpuautograd.backward(loss, retain_graph=True)  # accumulates in place
+    for t, g in zip((x, w, b), ours):
+        assert_close(t.grad, 2 * g)
+    for t in (x, w, b):
+        t.grad = None
+    loss.backward()
+    for t, g, s in zip((x, w, b), ours, strides):
+        assert_close(g, t.grad)
+        assert s == t.grad.stride(), "the first .grad gets the strides torch would give it"
+
+
+def test_accumulating_into_existing_grad_keeps_the_tensor():
+    (x, w, b), h = graph()
+    x.grad = torch.ones_like(x)
+    held = x.grad
+    gpuautograd.backward(h.sum())
+    assert x.grad is held  # in place, as torch does when grad mode is off
+
+
+def test_user_grad_tensor_is_never_stolen_as_grad():
+    x = rand(4)
+    y = x * 1.0
+    g = torch.randn(4, dtype=torch.float64)
+    gpuautograd.backward(y, g)
+    assert x.grad is not g and torch.equal(x.grad, g)
+    gpuautograd.backward(x * 1.0, g)
+    assert torch.equal(g, x.grad / 2), "accumulating into x.grad must not write into the user's tensor"
+
+
+def test_retain_graph_allows_a_second_backward_and_default_frees():
+    (x, w, b), h = graph()
+    loss = h.sum()
+    gpuautograd.backward(loss, retain_graph=True)
+    gpuautograd.backward(loss)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        gpuautograd.backward(loss)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()  # eager sees the release too
+
+
+def test_saved_activations_are_freed_after_backward_while_loss_is_held():
+    x = rand(64, 64)
+    h = x.exp()  # saved by ExpBackward0 (its result) and by MulBackward0
+    ref = StorageWeakRef(h.untyped_storage())
+    loss = (h * h).sum()
+    del h
+    assert not ref.expired()
+    gpuautograd.backward(loss)
+    assert ref.expired(), "the saved activation must be released like eager does"
+    assert loss.grad_fn is not None  # the user still holds the loss
+
+
+def test_inputs_restricts_accumulation_and_fills_nonleaf_grads():
+    (x, w, b), h = graph()
+    z = h * 2
+    ew, eh = torch.autograd.grad(z.sum(), [w, h], retain_graph=True)
+    gpuautograd.backward(z.sum(), inputs=[w, h])
+    assert x.grad is None and b.grad is None
+    assert_close(w.grad, ew)
+    assert_close(h.grad, eh)
+    with pytest.raises(RuntimeError, match="cannot be empty"):
+        gpuautograd.backward(z.sum(), inputs=[])
+
+
+def test_inputs_releases_only_the_nodes_that_ran():
+    (x, w, b), h = graph()
+    other = (x * x).sum()  # shares x's AccumulateGrad, nothing else
+    gpuautograd.backward(h.sum() + other, inputs=[b])
+    (gx,) = torch.autograd.grad(other, x)  # MulBackward0 did not run, so it kept its tensors
+    assert_close(gx, 2 * x.detach())
+
+
+def test_retain_grad_on_nonleaf():
+    (x, w, b), h = graph()
+    h.retain_grad()
+    gpuautograd.backward((h * 3).sum())
+    assert_close(h.grad, torch.full_like(h, 3.0))
+
+
+def test_grad_fires_retain_grad_like_torch():
+    (x, w, b), h = graph()
+    h.retain_grad()
+    gpuautograd.grad((h * 3).sum(), [x], retain_graph=True)
+    ours = h.grad.clone()
+    h.grad = None
+    torch.autograd.grad((h * 3).sum(), [x])
+    assert_close(ours, h.grad)
+
+
+def test_grad_returns_without_touching_dot_grad_and_allow_unused():
+    (x, w, b), h = graph()
+    unused = rand(2)
+    gx, gu = gpuautograd.grad(h.sum(), [x, unused], retain_graph=True, allow_unused=True)
+    assert gu is None and x.grad is None
+    assert_close(gx, torch.autograd.grad(h.sum(), x, retain_graph=True)[0])
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        gpuautograd.grad(h.sum(), [x, unused], retain_graph=True)
+    (gz,) = gpuautograd.grad(h.sum(), [unused], retain_graph=True, materialize_grads=True)
+    assert torch.equal(gz, torch.zeros(2, dtype=torch.float64))
+
+
+def test_errors_match_torch():
+    (x, w, b), h = graph()
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        gpuautograd.backward(h)
+    with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
+        gpuautograd.backward(torch.ones(()))
+    with pytest.raises(RuntimeError, match="Mismatch in shape"):
+        gpuautograd.backward(h, torch.ones(3))
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        gpuautograd.grad(h.sum(), [torch.ones(3)])
+
+
+def test_enable_routes_and_restores_even_on_error():
+    originals = (torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward)
+    (x, w, b), h = graph()
+    with gpuautograd.enable():
+        h.sum().backward()
+        torch.autograd.grad((x * x).sum(), x)
+    assert gpuautograd.stats()["captures"] == 2
+    with pytest.raises(ZeroDivisionError):
+        with gpuautograd.enable():
+            1 / 0
+    assert (torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward) == originals
+
+
+def test_explain_reports_program_and_frees_nothing():
+    (x, w, b), h = graph()
+    loss = h.sum()
+    report = gpuautograd.explain(loss)
+    assert report.num_nodes >= 6 and report.opaque_nodes == []
+    text = str(report)
+    assert "def backward(" in text and "mm " in text and "TanhBackward0" in text
+    loss.backward()  # the graph is intact
+
+
+def test_validate_returns_errors_and_raises_with_a_table(monkeypatch):
+    (x, w, b), h = graph()
+    rows = gpuautograd.validate(h.sum())
+    assert len(rows) == 3 and all(r.ok for r in rows)
+    from gpuautograd.rules import registry
+
+    original = registry.RULES["TanhBackward0"]
+    monkeypatch.setitem(registry.RULES, "TanhBackward0", lambda bld, node, grads: [bld.mul(v, 1.5) for v in original(bld, node, grads)])
+    gpuautograd.reset()
+    with pytest.raises(gpuautograd.ValidationError, match=r"(?s)max abs.*FAIL"):
+        gpuautograd.validate(h.sum())
+
+
+def test_stats_count_hits_and_name_the_failed_guard():
+    for n in (5, 5, 5, 7):
+        x = rand(n, 3)
+        gpuautograd.backward((x.sin() * 2).sum())
+        assert_close(x.grad, 2 * x.detach().cos())
+    s = gpuautograd.stats()
+    assert s["captures"] == 2 and s["cache_hits"] == 2
+    assert s["miss_reasons"][0] == "new graph structure"
+    assert "SumBackward0" in s["miss_reasons"][1] and "(5, 3) -> (7, 3)" in s["miss_reasons"][1]
+
+
+def test_recaptures_are_bounded_with_a_warning(monkeypatch):
+    monkeypatch.setenv("GPUAUTOGRAD_RECAPTURE_LIMIT", "2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(2, 7):
+            x = rand(n)
+            gpuautograd.backward(x.exp().sum())
+            assert_close(x.grad, x.detach().exp())
+    assert any("recaptured" in str(w.message) for w in caught)
+    assert gpuautograd.stats()["captures"] == 2
+
+
+def test_backend_names_are_checked(monkeypatch):
+    x = rand(3)
+    with pytest.raises(ValueError, match="unknown gpuautograd backend"):
+        gpuautograd.backward(x.sum(), backend="nope")
+    monkeypatch.setenv("GPUAUTOGRAD_BACKEND", "nope")
+    with pytest.raises(ValueError, match="GPUAUTOGRAD_BACKEND"):
+        gpuautograd.backward(x.sum())

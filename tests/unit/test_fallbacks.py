@@ -1,0 +1,115 @@
+"""What can't be honored functionally runs eagerly, loudly; unknown nodes run as opaque calls."""
+import warnings
+
+import pytest
+import torch
+
+import gpuautograd
+from tests.helpers import assert_close, check_grads, rand
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    gpuautograd.reset()
+    yield
+
+
+def eager_grads(make, *leaves):
+    for t in leaves:
+        t.grad = None
+    make().backward()
+    out = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    return out
+
+
+def run_with_warning(fn, match):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any(match in m for m in messages), messages
+
+
+@pytest.mark.parametrize("where", ["leaf", "nonleaf", "post_accumulate"])
+def test_a_hook_falls_back_to_eager_and_runs(where):
+    x = rand(4, 3)
+    calls = []
+    h = x.sin()
+    if where == "leaf":
+        x.register_hook(lambda g: calls.append(1) or g * 2)
+    elif where == "nonleaf":
+        h.register_hook(lambda g: calls.append(1) or g * 2)
+    else:
+        x.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    run_with_warning(lambda: gpuautograd.backward((h * h).sum()), "hook is registered")
+    assert calls == [1], "the hook must run, never be skipped"
+    scale = 1 if where == "post_accumulate" else 2
+    assert_close(x.grad, scale * 2 * x.detach().sin() * x.detach().cos())
+    assert sum(gpuautograd.stats()["fallbacks"].values()) == 1
+
+
+def test_create_graph_and_anomaly_mode_fall_back():
+    x = rand(3)
+    run_with_warning(lambda: gpuautograd.backward((x**3).sum(), create_graph=True), "create_graph")
+    assert x.grad.requires_grad  # double backward is possible, as in eager
+    x.grad = None
+    with torch.autograd.detect_anomaly():
+        run_with_warning(lambda: gpuautograd.backward((x**3).sum()), "anomaly")
+    assert_close(x.grad, 3 * x.detach() ** 2)
+
+
+def test_active_saved_tensor_hooks_fall_back():
+    x = rand(3)
+    y = (x.exp() * x).sum()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        run_with_warning(lambda: gpuautograd.backward(y), "saved-tensor hooks")
+    assert_close(x.grad, x.detach().exp() * (1 + x.detach()))
+
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k, bias):
+        ctx.save_for_backward(x)
+        ctx.k = k
+        return x**3 * k + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * ctx.k * g, None, g
+
+
+def test_custom_function_runs_as_opaque_node_with_correct_grads():
+    x, bias = rand(5, 3), rand(3)
+    grads = check_grads(lambda a, b: Cube.apply(a.tanh(), 2.0, b) * 3, x, bias, allow_opaque=True)
+    assert len(grads) == 2
+    report = gpuautograd.explain((Cube.apply(x.tanh(), 2.0, bias)).sum())
+    assert report.opaque_nodes == ["CubeBackward"]
+    assert "opaque" in str(report.program)
+
+
+def test_custom_function_saved_tensors_are_released_after_backward():
+    x = rand(4)
+    y = Cube.apply(x * 2, 1.0, rand(4)).sum()
+    gpuautograd.backward(y)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward()
+
+
+def test_node_without_rule_runs_as_opaque_call(monkeypatch):
+    from gpuautograd.rules import registry
+
+    monkeypatch.delitem(registry.RULES, "SinBackward0")
+    x = rand(3, 4)
+    check_grads(lambda a: (a.sin() * a).sum(1), x, allow_opaque=True)
+    assert gpuautograd.explain(x.sin().sum()).opaque_nodes == ["SinBackward0"]
+
+
+def test_complex_graph_falls_back():
+    x = torch.randn(3, dtype=torch.complex128, requires_grad=True)
+    run_with_warning(lambda: gpuautograd.backward((x * x).abs().sum()), "complex")
+    x2 = x.detach().clone().requires_grad_()
+    (x2 * x2).abs().sum().backward()
+    assert_close(x.grad, x2.grad)

@@ -1,0 +1,75 @@
+"""End to end: train the model suite for a few steps with gpuautograd and with eager autograd,
+side by side from the same weights and batches, and compare every gradient and parameter."""
+import copy
+
+import pytest
+import torch
+
+import gpuautograd
+from bench.models import SUITE
+from tests.helpers import assert_close
+
+FAMILIES = ["mlp", "cnn", "gpt", "gpt-manual-attn", "llama"]
+
+
+def train_side_by_side(name, dtype, steps=3, accumulate_every=2):
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE[name](dtype=dtype)
+    eager_model = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, eager_model)]
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        batch = make_batch(g)
+        for m, use_gpuautograd in ((model, True), (eager_model, False)):
+            torch.manual_seed(100 + step)  # the same dropout masks in both runs
+            loss = loss_fn(m, *batch)
+            if use_gpuautograd:
+                gpuautograd.backward(loss)
+            else:
+                loss.backward()
+        for (pname, p), q in zip(model.named_parameters(), eager_model.parameters()):
+            assert (p.grad is None) == (q.grad is None), pname
+            if q.grad is not None:
+                assert_close(p.grad, q.grad, msg=f"{name} step {step}: grad of {pname}")
+                assert p.grad.stride() == q.grad.stride(), pname
+        if step % accumulate_every == accumulate_every - 1:  # accumulate .grad over micro-batches
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert_close(p.detach(), q.detach())
+    return model
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_model_family_matches_eager_float64(name):
+    gpuautograd.reset()
+    model, make_batch, loss_fn = SUITE[name](dtype=torch.float64)
+    loss = loss_fn(model, *make_batch(torch.Generator().manual_seed(0)))
+    report = gpuautograd.explain(loss)
+    assert report.opaque_nodes == [], f"{name}: opaque nodes {report.opaque_nodes}"
+    train_side_by_side(name, torch.float64, steps=4)
+    s = gpuautograd.stats()
+    assert s["captures"] == 1 and s["cache_hits"] == 3, s
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama"])
+def test_model_family_matches_eager_float32(name):
+    train_side_by_side(name, torch.float32, steps=2)
+
+
+def test_shape_change_recaptures_with_correct_grads():
+    gpuautograd.reset()
+    for batch in (2, 2, 3):
+        torch.manual_seed(0)
+        model, make_batch, loss_fn = SUITE["gpt"](dtype=torch.float64, batch=batch)
+        inputs = make_batch(torch.Generator().manual_seed(batch))
+        gpuautograd.backward(loss_fn(model, *inputs))
+        ours = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, *inputs).backward()
+        for a, e in zip(ours, (p.grad for p in model.parameters())):
+            assert_close(a, e)
+    s = gpuautograd.stats()
+    assert s["captures"] == 2 and s["cache_hits"] == 1
+    assert "new graph structure" != s["miss_reasons"][1]

@@ -1,0 +1,149 @@
+"""Gradients of indexing nodes against torch.autograd. Indices repeat on purpose: the gradient of
+a repeated read must accumulate every contribution, not keep the last one."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+import gpuautograd
+from tests.helpers import check_grads, rand
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+# A fallback to eager autograd would compare torch with itself: make it an error.
+pytestmark = pytest.mark.filterwarnings("error:gpuautograd falls back")
+
+
+@pytest.fixture(autouse=True)
+def _never_eager(monkeypatch):
+    # Every case is a new graph of a similar structure; the recapture limit is for real workloads.
+    monkeypatch.setenv("GPUAUTOGRAD_RECAPTURE_LIMIT", "1000000")
+    before = sum(gpuautograd.stats()["fallbacks"].values())
+    yield
+    assert sum(gpuautograd.stats()["fallbacks"].values()) == before, gpuautograd.stats()["fallbacks"]
+
+
+@dataclass
+class Case:
+    id: str
+    node: str  # the autograd node the case must exercise
+    fn: Callable
+    make: Callable  # dtype -> inputs (tensors that require grad, index tensors, ...)
+
+
+def idx(*values):
+    return torch.tensor(values, dtype=torch.long)
+
+
+def rand_index(high, *shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, high, shape, generator=g)
+
+
+def leaf(*shape, nc=False):
+    """A maker of one random leaf that requires grad (transposed storage when `nc`)."""
+    if not shape:
+        return lambda dtype: torch.randn((), dtype=dtype, requires_grad=True)
+    return lambda dtype: rand(*shape, dtype=dtype, noncontiguous=nc)
+
+
+def const(*shape):
+    """A maker of one random tensor that needs no gradient."""
+    return lambda dtype: torch.randn(*shape, dtype=dtype)
+
+
+def fixed(t):
+    """A maker that always gives `t` (an index, a mask, a constant)."""
+    return lambda dtype: t
+
+
+def make(*makers):
+    return lambda dtype: [m(dtype) for m in makers]
+
+
+CASES = [
+    # advanced indexing: IndexBackward0 = index_put(accumulate=True) into zeros
+    Case("index_rows", "IndexBackward0", lambda x, i: x[i], make(leaf(7, 13), fixed(idx(0, 3, 3, 6, 0, 3)))),
+    Case("index_gap_nc", "IndexBackward0", lambda x, i: x[:, i], make(leaf(7, 13, nc=True), fixed(idx(12, -1, 4, 4)))),
+    Case("index_2d_index", "IndexBackward0", lambda x, i: x[i], make(leaf(7, 13), fixed(rand_index(7, 5, 9)))),
+    Case(
+        "index_two_adjacent", "IndexBackward0", lambda x, i, j: x[:, i, j],
+        make(leaf(3, 7, 13), fixed(idx(1, 1, 6)), fixed(idx(2, 2, 12))),
+    ),
+    Case("index_two_split", "IndexBackward0", lambda x, i, j: x[i, :, j], make(leaf(3, 7, 13), fixed(idx(2, 0, 2)), fixed(idx(-1, 5, -1)))),
+    Case(
+        "index_broadcast", "IndexBackward0", lambda x, i, j: x[i, j],
+        make(leaf(7, 13, nc=True), fixed(rand_index(7, 4, 1)), fixed(rand_index(13, 1, 6))),
+    ),
+    Case("index_ellipsis", "IndexBackward0", lambda x, i: x[..., i], make(leaf(3, 7, 13), fixed(rand_index(13, 40)))),
+    Case("index_mask", "IndexBackward0", lambda x, m: x[m], make(leaf(7, 13), fixed(rand_index(2, 7, 13).bool()))),
+    Case("index_row_mask", "IndexBackward0", lambda x, m: x[:, m], make(leaf(3, 13, 7), fixed(rand_index(2, 13, seed=1).bool()))),
+    Case("index_int32", "IndexBackward0", lambda x, i: x[i], make(leaf(33, 65), fixed(rand_index(33, 50).int()))),
+    # gather: scatter_add into zeros
+    Case("gather", "GatherBackward0", lambda x, i: x.gather(1, i), make(leaf(7, 13), fixed(rand_index(13, 7, 20)))),
+    Case("gather_neg_nc", "GatherBackward0", lambda x, i: x.gather(-1, i), make(leaf(3, 7, 13, nc=True), fixed(rand_index(13, 3, 5, 4)))),
+    Case("gather_dim0", "GatherBackward0", lambda x, i: x.gather(0, i), make(leaf(33, 65), fixed(rand_index(33, 40, 65)))),
+    Case("take_along_dim", "GatherBackward0", lambda x, i: x.take_along_dim(i, 0), make(leaf(7, 13), fixed(rand_index(7, 9, 1)))),
+    # index_select: index_add into zeros
+    Case("index_select", "IndexSelectBackward0", lambda x, i: x.index_select(0, i), make(leaf(7, 13), fixed(idx(6, 0, 6, 6, 2)))),
+    Case(
+        "index_select_neg_nc", "IndexSelectBackward0", lambda x, i: x.index_select(-1, i),
+        make(leaf(3, 7, 13, nc=True), fixed(rand_index(13, 30))),
+    ),
+    Case(
+        "index_select_0d_index", "IndexSelectBackward0", lambda x, i: x.index_select(1, i),
+        make(leaf(7, 13), fixed(torch.tensor(5))),
+    ),
+    Case("index_select_0d_self", "IndexSelectBackward0", lambda x, i: x.index_select(0, i), make(leaf(), fixed(idx(0)))),
+    # scatter family
+    Case(
+        "scatter_add", "ScatterAddBackward0", lambda x, i, s: x.scatter_add(1, i, s),
+        make(leaf(7, 13), fixed(rand_index(13, 7, 20)), leaf(7, 20)),
+    ),
+    Case(
+        "scatter_add_nc", "ScatterAddBackward0", lambda x, i, s: x.scatter_add(-2, i, s),
+        make(leaf(7, 13, nc=True), fixed(rand_index(7, 9, 13)), leaf(9, 13, nc=True)),
+    ),
+    Case(
+        "scatter_add_src_only", "ScatterAddBackward0", lambda x, i, s: x.scatter_add(0, i, s),
+        make(const(7, 13), fixed(rand_index(7, 3, 13)), leaf(3, 13)),
+    ),
+    Case(
+        "scatter_src", "ScatterBackward0", lambda x, i, s: x.scatter(1, i, s),
+        make(leaf(7, 13), fixed(rand_index(13, 7, 4)), leaf(7, 4)),
+    ),
+    Case("scatter_value", "ScatterBackward1", lambda x, i: x.scatter(0, i, 2.5), make(leaf(7, 13, nc=True), fixed(rand_index(7, 3, 13)))),
+]
+
+
+def graph_node_names(out) -> set[str]:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    seen, stack, names = set(), [o.grad_fn for o in outs if o.grad_fn is not None], set()
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            names.add(node.name())
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+    return names
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_indexing_rule(case, dtype):
+    inputs = case.make(dtype)
+    assert case.node in graph_node_names(case.fn(*inputs)), f"{case.id} does not build {case.node}"
+    grads = check_grads(case.fn, *inputs)
+    assert any(g is not None for g in grads)
+
+
+def test_repeated_index_accumulates():
+    # The gradient of x[i] at row r is the sum of the output rows that read r: count them.
+    x = rand(5, 3)
+    i = idx(4, 4, 4, 1, 0, 4)
+    (gx,) = gpuautograd.grad([x[i]], [x], [torch.ones(6, 3, dtype=x.dtype)])
+    counts = torch.bincount(i, minlength=5).to(x.dtype)
+    torch.testing.assert_close(gx, counts[:, None].expand(5, 3))

@@ -1,0 +1,164 @@
+"""Gradients of matrix-product nodes against torch.autograd: mm, addmm, bmm, baddbmm, dot, mv,
+and the View/Mm/UnsafeView compositions that torch.matmul and F.linear decompose into."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpuautograd
+from gpuautograd.capture.nodeview import NodeView
+from gpuautograd.ir.builder import Builder
+from gpuautograd.ir.program import InputSpec
+from gpuautograd.ir.types import TensorType
+from gpuautograd.rules import lookup
+from tests.helpers import check_grads, rand
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+SIZES = [(7, 13, 5), (33, 65, 17)]  # (m, k, n), odd on purpose
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    """Each test captures afresh, and must not end in a silent eager fallback (such as the one
+    after too many recaptures of one graph structure), which would compare torch with itself."""
+    gpuautograd.reset()
+    yield
+    assert not gpuautograd.stats()["fallbacks"], gpuautograd.stats()["fallbacks"]
+
+
+def leaf(*shape, dtype=torch.float64, noncontiguous=False):
+    """tests.helpers.rand, also for 0-dim shapes."""
+    if not shape:
+        return torch.randn((), dtype=dtype).requires_grad_()
+    return rand(*shape, dtype=dtype, noncontiguous=noncontiguous)
+
+
+def node_names(out) -> set[str]:
+    seen, stack, names = set(), [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(node.name())
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+def check_node(fn, *inputs, node: str):
+    """check_grads, after asserting that the graph really contains `node`."""
+    assert node in node_names(fn(*inputs)), f"{node} is not in the graph: the case tests something else"
+    return check_grads(fn, *inputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", SIZES)
+@pytest.mark.parametrize("noncontiguous", [False, True])
+def test_mm(dtype, m, k, n, noncontiguous):
+    a = rand(m, k, dtype=dtype, noncontiguous=noncontiguous)
+    b = rand(k, n, dtype=dtype)
+    check_node(torch.mm, a, b, node="MmBackward0")
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_mm_one_side_requires_grad(which):
+    # torch saves only the factor the other side's gradient needs; the rule must not read the other
+    a = rand(7, 13, requires_grad=which == 0)
+    b = rand(13, 5, requires_grad=which == 1)
+    grads = check_node(torch.mm, a, b, node="MmBackward0")
+    assert len(grads) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_shape", [(17,), (1, 17), (33, 1), (33, 17), ()])
+@pytest.mark.parametrize("alpha,beta", [(1, 1), (0.5, 2.0), (3, 0)])
+def test_addmm(dtype, bias_shape, alpha, beta):
+    bias = leaf(*bias_shape, dtype=dtype)
+    a = rand(33, 65, dtype=dtype, noncontiguous=True)
+    b = rand(65, 17, dtype=dtype)
+    check_node(lambda c, x, y: torch.addmm(c, x, y, alpha=alpha, beta=beta), bias, a, b, node="AddmmBackward0")
+
+
+def test_addmm_without_bias_grad():
+    bias = rand(5, requires_grad=False)
+    check_node(lambda c, x, y: torch.addmm(c, x, y, alpha=2.0), bias, rand(7, 13), rand(13, 5), node="AddmmBackward0")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", SIZES)
+@pytest.mark.parametrize("noncontiguous", [False, True])
+def test_bmm(dtype, m, k, n, noncontiguous):
+    a = rand(3, m, k, dtype=dtype, noncontiguous=noncontiguous)
+    b = rand(3, k, n, dtype=dtype)
+    check_node(torch.bmm, a, b, node="BmmBackward0")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_shape", [(3, 7, 5), (7, 5), (1, 1, 5)])
+@pytest.mark.parametrize("alpha,beta", [(1, 1), (0.5, -1.5)])
+def test_baddbmm(dtype, bias_shape, alpha, beta):
+    bias = rand(*bias_shape, dtype=dtype)
+    a = rand(3, 7, 13, dtype=dtype)
+    b = rand(3, 13, 5, dtype=dtype, noncontiguous=True)
+    check_node(lambda c, x, y: torch.baddbmm(c, x, y, alpha=alpha, beta=beta), bias, a, b, node="BaddbmmBackward0")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 13, 65])
+def test_dot(dtype, n):
+    check_node(torch.dot, rand(n, dtype=dtype), rand(n, dtype=dtype), node="DotBackward0")
+
+
+def test_dot_of_strided_vectors():
+    base = rand(13, 5)
+    check_node(lambda x, y: torch.dot(x[:, 2], y), base, rand(13), node="DotBackward0")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k", [(7, 13), (33, 65)])
+@pytest.mark.parametrize("noncontiguous", [False, True])
+def test_mv(dtype, m, k, noncontiguous):
+    check_node(torch.mv, rand(m, k, dtype=dtype, noncontiguous=noncontiguous), rand(k, dtype=dtype), node="MvBackward0")
+
+
+def test_complex_product_is_refused_by_the_rule():
+    # the rules do not conjugate: handed complex values, a rule must raise, never emit a wrong formula
+    b = Builder()
+    c64 = TensorType((3, 2), torch.complex128, torch.device("cpu"))
+    grad = b.input(c64, InputSpec("grad", 0))
+    mat = b.input(c64.with_(shape=(2, 2)), InputSpec("saved", 0))
+    node = NodeView("MmBackward0", {"self": mat, "mat2": mat}, [c64], [c64.with_(shape=(3, 2))] * 2, [True, True])
+    with pytest.raises(NotImplementedError, match="complex"):
+        lookup("MmBackward0")(b, node, [grad])
+
+
+# -- compositions: torch.matmul and F.linear go through view nodes around Mm/Bmm/Addmm ------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "shape_a,shape_b",
+    [
+        ((7, 13), (13, 5)),  # Mm
+        ((2, 7, 13), (13, 5)),  # View, Mm, UnsafeView
+        ((13,), (13, 5)),  # Unsqueeze, Mm, Squeeze
+        ((7, 13), (13,)),  # Mv
+        ((2, 7, 13), (2, 13, 5)),  # Bmm
+        ((2, 1, 7, 13), (3, 13, 5)),  # Expand, broadcast batch dims
+    ],
+)
+def test_matmul_compositions(dtype, shape_a, shape_b):
+    check_grads(torch.matmul, rand(*shape_a, dtype=dtype), rand(*shape_b, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("batch", [(7,), (2, 7)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear(dtype, batch, with_bias):
+    x = rand(*batch, 13, dtype=dtype)
+    w = rand(5, 13, dtype=dtype)
+    if with_bias:
+        check_grads(F.linear, x, w, rand(5, dtype=dtype))
+    else:
+        check_grads(F.linear, x, w)

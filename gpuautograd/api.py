@@ -185,6 +185,8 @@ class Explanation:
         if self.fallback_reason:
             lines.append(f"falls back to eager: {self.fallback_reason}")
         lines.append(f"opaque nodes: {', '.join(self.opaque_nodes) if self.opaque_nodes else 'none'}")
+        for reason in self.program.declined:
+            lines.append(f"  rule declined, ran opaque: {reason}")
         lines.append(str(self.program))
         return "\n".join(lines)
 

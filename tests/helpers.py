@@ -26,7 +26,10 @@ def check_grads(fn, *inputs, grad_output=None, backend="reference", allow_opaque
     report = gpuautograd.explain(outs, grad_output)
     if not allow_opaque:
         assert not report.opaque_nodes, f"opaque nodes: {report.opaque_nodes}\n{report}"
+    fallbacks_before = sum(gpuautograd.stats()["fallbacks"].values())
     ours = gpuautograd.grad(outs, wrt, grad_output, retain_graph=True, allow_unused=True, backend=backend)
+    fallbacks = gpuautograd.stats()["fallbacks"]
+    assert sum(fallbacks.values()) == fallbacks_before, f"gpuautograd fell back to eager: {fallbacks}"
     theirs = torch.autograd.grad(outs, wrt, grad_output, allow_unused=True)
     for i, (a, e) in enumerate(zip(ours, theirs)):
         if e is None:

@@ -92,6 +92,7 @@ def lower(w: Walk, req: Request) -> Program:
         pending.setdefault((j, nr), []).append(g)
 
     slot_base = _saved_slot_bases(w)
+    declined: list[str] = []
     sink_values: dict[tuple[int, int], Value | None] = {}
     for i in order:
         info = w.classes[i]
@@ -110,11 +111,16 @@ def lower(w: Walk, req: Request) -> Program:
             view = NodeView(info.name, saved, [_meta_type(m) for m in metas[i]], out_types, needs)
             try:
                 outs = list(rule(b, view, grads))
+            except NotImplementedError as e:
+                # The rule declines this configuration: the live node runs instead, still correct.
+                # (Whatever the rule emitted before declining is dead code that DCE removes.)
+                declined.append(f"{info.name}: {e}")
+                outs = None
             except Exception as e:
                 raise CaptureError(f"the rule for {info.name} (node {i}) failed: {e}") from e
-            if len(outs) != len(out_types):
+            if outs is not None and len(outs) != len(out_types):
                 raise CaptureError(f"the rule for {info.name} returned {len(outs)} gradients for {len(out_types)} edges")
-        else:
+        if rule is None or outs is None:
             outs = _opaque(b, w, i, grads, [_meta_type(m) for m in metas[i]], out_types, needs)
         for k, (g, e) in enumerate(zip(outs, edges[i])):
             if g is None or e is None or not needs[k]:
@@ -134,6 +140,7 @@ def lower(w: Walk, req: Request) -> Program:
             g = sink_values.get(e) if e is not None else None
             b.output(g, OutputSpec("input", k, f"input{k}"))
     b.program.executed = [i for i in order if executes[i]]
+    b.program.declined = declined
     return b.program
 
 

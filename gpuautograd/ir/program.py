@@ -92,6 +92,7 @@ class Program:
     # the autograd nodes (walk indices) whose backward this program performs: their saved
     # tensors are released after it runs, as eager releases exactly the nodes it executes
     executed: list[int] = field(default_factory=list)
+    declined: list[str] = field(default_factory=list)  # "Node: reason" for rules that declined
 
     def __str__(self) -> str:
         from .printer import format_program

@@ -14,4 +14,4 @@ def dead_code_elimination(program: Program) -> Program:
             live.update(id(x) for x in instr.inputs if isinstance(x, Value))
     kept.reverse()
     inputs = [(v, spec) for v, spec in program.inputs if id(v) in live]
-    return Program(inputs, kept, list(program.outputs), list(program.executed))
+    return Program(inputs, kept, list(program.outputs), list(program.executed), list(program.declined))

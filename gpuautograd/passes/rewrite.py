@@ -26,4 +26,4 @@ class Rewriter:
 
     def finish(self, program: Program, instrs: list[Instr]) -> Program:
         outputs = [(self.resolve(v), spec) for v, spec in program.outputs]
-        return Program(list(program.inputs), instrs, outputs, list(program.executed))
+        return Program(list(program.inputs), instrs, outputs, list(program.executed), list(program.declined))

@@ -1,4 +1,5 @@
-"""Backward rules of matrix products: mm, bmm, addmm, baddbmm, dot, mv.
+"""Backward rules of matrix and vector products: mm, addmm, bmm, baddbmm, addbmm, mv, addmv,
+addr, dot, vdot.
 
 Real dtypes only: the formulas in derivatives.yaml conjugate the other factor, which is the
 identity for real tensors. A complex product is refused with a clear error rather than given a
@@ -22,6 +23,15 @@ def _scaled(b, x, factor):
 
 def _mT(b, x):
     return b.transpose(x, -2, -1)
+
+
+def _outer(b, u, v):
+    """u.ger(v) as a broadcast multiply, which fuses; no library call needed."""
+    return b.mul(b.unsqueeze(u, 1), b.unsqueeze(v, 0))
+
+
+def _mv(b, mat, vec):
+    return b.squeeze(b.mm(mat, b.unsqueeze(vec, 1)), 1)
 
 
 @register("MmBackward0")
@@ -69,14 +79,22 @@ def baddbmm_backward(b, node, grads):
     return [grad_self, grad_b1, grad_b2]
 
 
-@register("DotBackward0")
-def dot_backward(b, node, grads):
-    # self: grad * tensor;  tensor: grad * self  (grad is 0-dim)
+@register("AddbmmBackward0")
+def addbmm_backward(b, node, grads):
+    # self: grad * beta;  batch1: grad.expand(B, n, p).bmm(batch2.transpose(1, 2)) * alpha;  batch2: batch1.transpose(1, 2).bmm(grad.expand(B, n, p)) * alpha
     (grad,) = grads
     _real(node, grad)
-    grad_self = b.mul(grad, node.saved("tensor")) if node.needs(0) else None
-    grad_tensor = b.mul(grad, node.saved("self")) if node.needs(1) else None
-    return [grad_self, grad_tensor]
+    alpha, beta = node.saved("alpha"), node.saved("beta")
+    grad_self = _scaled(b, grad, beta) if node.needs(0) else None
+    grad_b1 = grad_b2 = None
+    if node.needs(1) or node.needs(2):
+        sizes = (node.saved("batch1_sym_argsize_0"), node.saved("batch1_sym_argsize_1"), node.saved("batch2_sym_argsize_2"))
+        per_batch = b.expand(b.unsqueeze(grad, 0), sizes)
+        if node.needs(1):
+            grad_b1 = _scaled(b, b.bmm(per_batch, _mT(b, node.saved("batch2"))), alpha)
+        if node.needs(2):
+            grad_b2 = _scaled(b, b.bmm(_mT(b, node.saved("batch1")), per_batch), alpha)
+    return [grad_self, grad_b1, grad_b2]
 
 
 @register("MvBackward0")
@@ -84,12 +102,41 @@ def mv_backward(b, node, grads):
     # self: grad.ger(vec);  vec: self.t().mv(grad)
     (grad,) = grads
     _real(node, grad)
-    grad_self = grad_vec = None
-    if node.needs(0):
-        vec = node.saved("vec")
-        # the outer product is a broadcast multiply, which fuses; no library call needed
-        grad_self = b.mul(b.unsqueeze(grad, 1), b.unsqueeze(vec, 0))
-    if node.needs(1):
-        column = b.mm(_mT(b, node.saved("self")), b.unsqueeze(grad, 1))
-        grad_vec = b.squeeze(column, 1)
+    grad_self = _outer(b, grad, node.saved("vec")) if node.needs(0) else None
+    grad_vec = _mv(b, _mT(b, node.saved("self")), grad) if node.needs(1) else None
     return [grad_self, grad_vec]
+
+
+@register("AddmvBackward0")
+def addmv_backward(b, node, grads):
+    # self: grad * beta;  mat: grad.ger(vec) * alpha;  vec: mat.t().mv(grad) * alpha
+    (grad,) = grads
+    _real(node, grad)
+    alpha, beta = node.saved("alpha"), node.saved("beta")
+    grad_self = _scaled(b, grad, beta) if node.needs(0) else None
+    grad_mat = _scaled(b, _outer(b, grad, node.saved("vec")), alpha) if node.needs(1) else None
+    grad_vec = _scaled(b, _mv(b, _mT(b, node.saved("mat")), grad), alpha) if node.needs(2) else None
+    return [grad_self, grad_mat, grad_vec]
+
+
+@register("AddrBackward0")
+def addr_backward(b, node, grads):
+    # self: grad * beta;  vec1: grad.mv(vec2) * alpha;  vec2: grad.t().mv(vec1) * alpha
+    (grad,) = grads
+    _real(node, grad)
+    alpha, beta = node.saved("alpha"), node.saved("beta")
+    grad_self = _scaled(b, grad, beta) if node.needs(0) else None
+    grad_vec1 = _scaled(b, _mv(b, grad, node.saved("vec2")), alpha) if node.needs(1) else None
+    grad_vec2 = _scaled(b, _mv(b, _mT(b, grad), node.saved("vec1")), alpha) if node.needs(2) else None
+    return [grad_self, grad_vec1, grad_vec2]
+
+
+@register("DotBackward0", "VdotBackward0")
+def dot_backward(b, node, grads):
+    # dot: self: grad * tensor, tensor: grad * self;  vdot (real): self: grad * other, other: grad * self  (grad is 0-dim)
+    (grad,) = grads
+    _real(node, grad)
+    other = "tensor" if node.name == "DotBackward0" else "other"
+    grad_self = b.mul(grad, node.saved(other)) if node.needs(0) else None
+    grad_other = b.mul(grad, node.saved("self")) if node.needs(1) else None
+    return [grad_self, grad_other]

@@ -37,12 +37,13 @@ def _saved_or_none(node, name: str):
 def convolution_backward(b, node, grads):
     # input, weight, bias: convolution_backward(grad, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, grad_input_mask)
     (grad,) = grads
+    bias_sizes = node.saved("bias_sym_sizes_opt")  # None when the forward had no bias
     outs = b.emit(
         "convolution_backward",
         grad,
         node.saved("input"),
         node.saved("weight"),
-        bias_sizes=node.saved("bias_sym_sizes_opt"),
+        bias_sizes=None if bias_sizes is None else tuple(bias_sizes),
         stride=tuple(node.saved("stride")),
         padding=tuple(node.saved("padding")),
         dilation=tuple(node.saved("dilation")),

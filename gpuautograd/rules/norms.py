@@ -2,11 +2,10 @@
 reductions and a scatter, so that fusion sees (and can fuse) every step."""
 from __future__ import annotations
 
-import torch
-
 from .pointwise import opmath
 from .reductions import saved_dim, signed
 from .registry import register
+
 
 @register("NativeLayerNormBackward0")
 def native_layer_norm_backward(b, node, grads):

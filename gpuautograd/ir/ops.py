@@ -129,33 +129,24 @@ def _pointwise_infer(result_dtype=None):
 _UNARY_FLOAT = {
     "exp": torch.exp,
     "log": torch.log,
-    "log1p": torch.log1p,
-    "expm1": torch.expm1,
-    "sqrt": torch.sqrt,
-    "rsqrt": torch.rsqrt,
     "tanh": torch.tanh,
     "sigmoid": torch.sigmoid,
     "erf": torch.erf,
     "sin": torch.sin,
     "cos": torch.cos,
-    "reciprocal": torch.reciprocal,
 }
-_UNARY_SAME = {"abs": torch.abs, "sign": torch.sign, "neg": torch.neg}
+_UNARY_SAME = {"sign": torch.sign, "neg": torch.neg}
 
 for _name, _fn in _UNARY_FLOAT.items():
     register_op(_name, POINTWISE, _pointwise_infer("float"))(_fn)
 for _name, _fn in _UNARY_SAME.items():
     register_op(_name, POINTWISE, _pointwise_infer())(_fn)
 
-register_op("logical_not", POINTWISE, _pointwise_infer("bool"))(torch.logical_not)
-
 _BINARY = {
     "add": lambda a, b: a + b,
     "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b,
     "pow": lambda a, b: a**b,
-    "maximum": lambda a, b: torch.maximum(a, b) if isinstance(b, torch.Tensor) else torch.clamp_min(a, b),
-    "minimum": lambda a, b: torch.minimum(a, b) if isinstance(b, torch.Tensor) else torch.clamp_max(a, b),
 }
 for _name, _fn in _BINARY.items():
     register_op(_name, POINTWISE, _pointwise_infer())(_fn)
@@ -218,16 +209,6 @@ def _sum(x, *, dims, keepdim, dtype=None):
     return torch.sum(x, dims, keepdim=keepdim, dtype=dtype)
 
 
-@register_op("amax", REDUCTION, _reduce_infer)
-def _amax(x, *, dims, keepdim):
-    return torch.amax(x, dims, keepdim=keepdim) if dims else x
-
-
-@register_op("amin", REDUCTION, _reduce_infer)
-def _amin(x, *, dims, keepdim):
-    return torch.amin(x, dims, keepdim=keepdim) if dims else x
-
-
 # ---------------------------------------------------------------------------------------------
 # Layout: reshape, permute, expand, slices, cat. Outputs may alias their input.
 
@@ -270,11 +251,6 @@ def _slice_scatter(base, src, *, dim, start, end, step):
 @register_op("select_scatter", LAYOUT, lambda ts, a: [ts[0]])
 def _select_scatter(base, src, *, dim, index):
     return torch.select_scatter(base, src, dim, index)
-
-
-@register_op("contiguous", LAYOUT, lambda ts, a: [ts[0]], view=True)
-def _contiguous(x):
-    return x.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,3 +348,7 @@ def _opaque(node, *grads, out_types, python_positions):
                 r = r.sum_to_size(shape)
             out.append(r.to(dtype=dtype, device=device))
     return tuple(out)
+
+
+# Library-call ops of the nn family live in their own module but in this one table.
+from . import extern_ops  # noqa: E402,F401

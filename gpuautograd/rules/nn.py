@@ -6,8 +6,7 @@ argmax positions, plain IR that fuses, so it needs no library call.
 """
 from __future__ import annotations
 
-from ..ir import extern_ops  # noqa: F401 - registers the extern ops these rules emit
-from ..ir.extern_ops import emit_optional
+from ..ir.extern_ops import emit_optional  # the import also registers the extern ops used here
 from .registry import register
 
 

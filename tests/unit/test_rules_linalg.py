@@ -1,12 +1,11 @@
-"""Gradients of matrix-product nodes against torch.autograd: mm, addmm, bmm, baddbmm, dot, mv,
-and the View/Mm/UnsafeView compositions that torch.matmul and F.linear decompose into."""
+"""Gradients of matrix and vector product nodes against torch.autograd (mm, addmm, bmm, baddbmm,
+addbmm, mv, addmv, addr, dot, vdot), and the view compositions torch.matmul and F.linear become."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import gpuautograd
 from gpuautograd.capture.nodeview import NodeView
 from gpuautograd.ir.builder import Builder
 from gpuautograd.ir.program import InputSpec

@@ -292,6 +292,13 @@ def test_sdpa_flash_cpu_noncontiguous_and_odd():
     check_node(fn, *_qkv(torch.float64, batch=1, heads=5, q_len=33, kv_len=65, dim=17, noncontiguous=True), node=SDPA_CPU)
 
 
+def test_sdpa_flash_cpu_grouped_query_attention():
+    # the kernel reads 2 key/value heads for 6 query heads; their gradients come back per kv head
+    q, k, v = rand(2, 6, 5, 13), rand(2, 2, 7, 13), rand(2, 2, 7, 13)
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    check_node(fn, q, k, v, node=SDPA_CPU)
+
+
 def test_sdpa_flash_cpu_only_query_needs_grad():
     q, k, v = _qkv(torch.float64)
     k, v = k.detach(), v.detach()

@@ -28,11 +28,10 @@ def rmsnorm(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+# bfloat16 layer norm is checked against float64 (test_layer_norm_bfloat16_matches_float64_truth)
 LAYER_NORM = [
-    # bfloat16 at this size: see test_layer_norm_bfloat16_matches_float64_truth
     Case("layer_norm_affine", "NativeLayerNormBackward0", lambda x, w, b: F.layer_norm(x, (65,), w, b, 1e-5),
-         lambda d: (rand(33, 65, dtype=d, noncontiguous=True), rand(65, dtype=d), rand(65, dtype=d)),
-         (torch.float64, torch.float32)),
+         lambda d: (rand(33, 65, dtype=d, noncontiguous=True), rand(65, dtype=d), rand(65, dtype=d))),
     Case("layer_norm_3d", "NativeLayerNormBackward0", lambda x, w, b: F.layer_norm(x, (13,), w, b),
          lambda d: (rand(3, 7, 13, dtype=d), rand(13, dtype=d), rand(13, dtype=d))),
     Case("layer_norm_two_dims", "NativeLayerNormBackward0", lambda x, w, b: F.layer_norm(x, (7, 13), w, b),
@@ -46,6 +45,8 @@ LAYER_NORM = [
     Case("layer_norm_params_only", "NativeLayerNormBackward0", lambda w, b, x: F.layer_norm(x, (13,), w, b),
          lambda d: (rand(13, dtype=d), rand(13, dtype=d), const(7, 13, dtype=d))),
 ]
+
+LAYER_NORM_FLOAT = [Case(c.id, c.node, c.fn, c.make, (torch.float64, torch.float32)) for c in LAYER_NORM]
 
 SOFTMAX = [
     Case("softmax_last", "SoftmaxBackward0", lambda x: x.softmax(-1), lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),
@@ -99,25 +100,26 @@ COMPOSITIONS = [
 ]
 
 
-@pytest.mark.parametrize("case, dtype", params(LAYER_NORM + SOFTMAX + NLL + COMPOSITIONS))
+@pytest.mark.parametrize("case, dtype", params(LAYER_NORM_FLOAT + SOFTMAX + NLL + COMPOSITIONS))
 def test_norm_rule(case, dtype):
     run_case(case, dtype)
 
 
-def test_layer_norm_bfloat16_matches_float64_truth():
-    # torch's CPU bfloat16 kernel sums weight and bias gradients over rows less accurately than
-    # the rule's float32 accumulation (it misses the float64 truth by more than the bfloat16
-    # tolerance in about 1 of 10 draws at this size), so here the reference is float64 autograd
-    # on the same bfloat16-valued inputs.
-    x = rand(33, 65, dtype=torch.bfloat16, noncontiguous=True)
-    w, b = rand(65, dtype=torch.bfloat16), rand(65, dtype=torch.bfloat16)
-    out = F.layer_norm(x, (65,), w, b, 1e-5)
+@pytest.mark.parametrize("case", LAYER_NORM, ids=lambda c: c.id)
+def test_layer_norm_bfloat16_matches_float64_truth(case):
+    # torch's CPU bfloat16 kernel sums the weight and bias gradients over rows less accurately
+    # than the rule's float32 accumulation (at 33x65 it misses the float64 truth by more than the
+    # bfloat16 tolerance in about 1 of 10 draws), so in bfloat16 the reference is float64
+    # autograd on the same bfloat16-valued inputs.
+    inputs = case.make(torch.bfloat16)
+    out = case.fn(*inputs)
     grad_out = torch.randn_like(out)
+    wrt = [x for x in inputs if x.requires_grad]
     gpuautograd.reset()
-    ours = gpuautograd.grad([out], [x, w, b], [grad_out], retain_graph=True)
+    ours = gpuautograd.grad([out], wrt, [grad_out], retain_graph=True)
     assert gpuautograd.stats()["captures"] == 1 and not gpuautograd.stats()["fallbacks"]
-    wide = [t.detach().double().requires_grad_() for t in (x, w, b)]
-    truth = torch.autograd.grad([F.layer_norm(wide[0], (65,), wide[1], wide[2], 1e-5)], wide, [grad_out.double()])
+    wide = [x.detach().double().requires_grad_(x.requires_grad) for x in inputs]
+    truth = torch.autograd.grad([case.fn(*wide)], [x for x in wide if x.requires_grad], [grad_out.double()])
     for a, e in zip(ours, truth):
         assert a.dtype == torch.bfloat16
         assert_close(a, e.to(torch.bfloat16))

@@ -16,7 +16,7 @@ from ..ir.builder import Builder, IRError
 from ..ir.program import InputSpec, OutputSpec, Program, Value
 from ..ir.types import NodeType, TensorType
 from ..rules.registry import lookup
-from .nodeview import NodeView
+from .nodeview import NodeView, as_signed
 from .walk import ACCUMULATE, CPP, PYTHON, Walk, read_saved, saved_key
 
 
@@ -178,7 +178,7 @@ def _saved_values(b: Builder, w: Walk, i: int, base: int) -> dict:
                 for k, v in enumerate(value)
             ]
         else:
-            out[name] = value
+            out[name] = as_signed(value)
     return out
 
 

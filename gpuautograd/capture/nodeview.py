@@ -4,8 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ir.program import Value
 from ..ir.types import TensorType
+
+_INT64_WRAP = 1 << 64
+_INT64_MAX = (1 << 63) - 1
+
+
+def as_signed(value: Any) -> Any:
+    """torch hands saved int64 values (dims, indices, ignore_index) to Python as unsigned 64-bit
+    numbers (-1 reads as 2**64 - 1); fold them back, in ints and in tuples of ints."""
+    if isinstance(value, (tuple, list)):
+        return tuple(as_signed(v) for v in value)
+    if isinstance(value, int) and not isinstance(value, bool) and value > _INT64_MAX:
+        return value - _INT64_WRAP
+    return value
 
 
 class NodeView:
@@ -45,6 +57,3 @@ class NodeView:
     def __repr__(self) -> str:
         return f"NodeView({self.name}, saved={sorted(self._saved)})"
 
-
-def is_value(x) -> bool:
-    return isinstance(x, Value)

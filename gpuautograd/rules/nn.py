@@ -19,11 +19,6 @@ def _masked(node, outs) -> list:
     return [o if node.needs(i) else None for i, o in enumerate(outs)]
 
 
-def _signed(v: int) -> int:
-    """torch hands saved int64 values to Python as unsigned 64-bit numbers (-1 -> 2**64 - 1)."""
-    return v - (1 << 64) if v >= (1 << 63) else v
-
-
 def _saved_or_none(node, name: str):
     return node.saved(name) if node.has_saved(name) else None
 
@@ -162,7 +157,7 @@ def embedding_backward(b, node, grads):
         grad,
         node.saved("indices"),
         num_weights=node.saved("weight_sym_argsize_0"),
-        padding_idx=_signed(node.saved("padding_idx")),
+        padding_idx=node.saved("padding_idx"),
         scale_grad_by_freq=node.saved("scale_grad_by_freq"),
     )
     return [out]

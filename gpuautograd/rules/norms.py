@@ -3,7 +3,6 @@ reductions and a scatter, so that fusion sees (and can fuse) every step."""
 from __future__ import annotations
 
 from .pointwise import opmath
-from .reductions import saved_dim, signed
 from .registry import register
 
 
@@ -46,7 +45,7 @@ def native_layer_norm_backward(b, node, grads):
 def softmax_backward(b, node, grads):
     # self: result * (grad - sum(grad * result, dim, keepdim=True))
     g, y = opmath(b, grads[0]), opmath(b, node.saved("result"))
-    dim = saved_dim(node)
+    dim = node.saved("dim")
     return [b.mul(y, b.sub(g, b.sum(b.mul(g, y), dim, keepdim=True)))]
 
 
@@ -54,7 +53,7 @@ def softmax_backward(b, node, grads):
 def log_softmax_backward(b, node, grads):
     # self: grad - exp(result) * sum(grad, dim, keepdim=True)
     g, y = opmath(b, grads[0]), opmath(b, node.saved("result"))
-    dim = saved_dim(node)
+    dim = node.saved("dim")
     return [b.sub(g, b.mul(b.exp(y), b.sum(g, dim, keepdim=True)))]
 
 
@@ -66,7 +65,7 @@ def nll_loss_backward(b, node, grads):
     # self: zeros_like(self).scatter(C, target, -weight[target] * grad [/ total_weight]), 0 at
     # ignore_index; C is the class dim (0 for an unbatched input, else 1)
     x, target, weight = node.saved("self"), node.saved("target"), node.saved("weight")
-    ignore_index = signed(node.saved("ignore_index"))
+    ignore_index = node.saved("ignore_index")
     class_dim = 0 if x.ndim < 2 else 1
 
     target = b.unsqueeze(target, class_dim)

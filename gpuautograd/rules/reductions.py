@@ -7,23 +7,6 @@ from ..ir.builder import normalize_dims
 from .registry import register
 
 
-_INT64_WRAP = 1 << 64
-
-
-def signed(v):
-    """torch hands saved int64 values (dims, ignore_index) to Python as unsigned 64-bit numbers
-    (dim=-1 reads as 2**64 - 1); this folds them back, in ints and in tuples of ints."""
-    if isinstance(v, (tuple, list)):
-        return tuple(signed(x) for x in v)
-    if isinstance(v, int) and not isinstance(v, bool) and v >= (1 << 63):
-        return v - _INT64_WRAP
-    return v
-
-
-def saved_dim(node, name: str = "dim"):
-    return signed(node.saved(name))
-
-
 def reduced_dims(dim, ndim: int) -> tuple[int, ...]:
     """The dims a reduction over `dim` removed: None or () means every dim, as in torch."""
     if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
@@ -64,7 +47,7 @@ def sum_backward(b, node, grads):
 @register("SumBackward1")
 def sum_dim_backward(b, node, grads):
     # self: sum_backward(grad, self.sizes(), dim, keepdim)
-    return [_sum_backward(b, grads[0], node.saved("self_sym_sizes"), saved_dim(node), node.saved("keepdim"))]
+    return [_sum_backward(b, grads[0], node.saved("self_sym_sizes"), node.saved("dim"), node.saved("keepdim"))]
 
 
 @register("MeanBackward0")
@@ -77,7 +60,7 @@ def mean_backward(b, node, grads):
 @register("MeanBackward1")
 def mean_dim_backward(b, node, grads):
     # self: sum_backward(grad, self.sizes(), dim, keepdim) / (number of reduced elements)
-    sizes, dim = tuple(node.saved("self_sym_sizes")), saved_dim(node)
+    sizes, dim = tuple(node.saved("self_sym_sizes")), node.saved("dim")
     g = b.div(grads[0], _count(sizes, reduced_dims(dim, len(sizes))))
     return [_sum_backward(b, g, sizes, dim, node.saved("keepdim"))]
 
@@ -91,7 +74,7 @@ def value_selecting_backward(b, node, grads):
     sizes = tuple(node.saved("self_sym_sizes"))
     if not sizes:  # a 0-dim input: the value is the input
         return [g]
-    dim = saved_dim(node) % len(sizes)
+    dim = node.saved("dim") % len(sizes)
     keepdim = node.saved("keepdim")
     g = restore_reduced_dims(b, g, (dim,), keepdim)
     indices = restore_reduced_dims(b, node.saved("indices"), (dim,), keepdim)
@@ -116,7 +99,7 @@ def evenly_distribute_backward(b, node, grads):
 def amax_backward(b, node, grads):
     # self: mask = (restore(result) == self); (restore(grad) / mask.sum(dim, keepdim=True)) * mask
     x = node.saved("self")
-    dims = reduced_dims(saved_dim(node), x.ndim)
+    dims = reduced_dims(node.saved("dim"), x.ndim)
     keepdim = node.saved("keepdim")
     g = restore_reduced_dims(b, grads[0], dims, keepdim)
     mask = b.eq(restore_reduced_dims(b, node.saved("result"), dims, keepdim), x)

@@ -1,32 +1,21 @@
 """Backward rules of layout (view) nodes: reshape, expand, transpose, squeeze, slices, cat, split.
 
 Every rule here only moves gradient elements around (or sums them, for expand); none does math.
-Saved ints arrive as autograd stores them: a negative `int64_t` reads back through Python as its
-unsigned 64-bit twin (-1 -> 2**64 - 1), so every saved dim or index goes through `signed()`.
 """
 from __future__ import annotations
 
 from .registry import register
 
-_UINT64 = 1 << 64
-_INT64_MAX = (1 << 63) - 1
-
-
-def signed(v: int) -> int:
-    """A saved int64 as Python sees it (negative ones wrap to 2**64 + v) -> the signed value."""
-    return v - _UINT64 if v > _INT64_MAX else v
-
-
 def norm_dim(dim: int, ndim: int) -> int:
-    """A saved dim (possibly negative or wrapped) -> a dim in [0, ndim); ndim 0 acts like 1."""
-    return signed(dim) % max(ndim, 1)
+    """A saved dim (possibly negative) -> a dim in [0, ndim); ndim 0 acts like 1."""
+    return dim % max(ndim, 1)
 
 
 def clamp_slice_bounds(start, end, size: int) -> tuple[int, int]:
     """torch's slice bounds: None -> the ends, negatives count from the end, then clamped to
     [0, size] with end >= start. `end` is often INT64_MAX for `x[a:]`."""
-    start = 0 if start is None else signed(start)
-    end = size if end is None else signed(end)
+    start = 0 if start is None else start
+    end = size if end is None else end
     if start < 0:
         start += size
     if end < 0:
@@ -131,7 +120,7 @@ def select_backward(b, node, grads):
     grad = grads[0]
     sizes = tuple(node.saved("self_sym_sizes"))
     dim = norm_dim(node.saved("dim"), len(sizes))
-    index = signed(node.saved("index")) % sizes[dim]
+    index = node.saved("index") % sizes[dim]
     base = b.full(sizes, 0, grad.dtype, grad.device)
     return [b.select_scatter(base, grad, dim, index)]
 

@@ -1,6 +1,9 @@
 """Shared test helpers: compare gpuautograd's gradients with torch.autograd's on the same graph."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 
 import gpuautograd
@@ -47,3 +50,46 @@ def rand(*shape, dtype=torch.float64, requires_grad=True, noncontiguous=False):
         base = torch.randn(*shape[:-2], shape[-1], shape[-2], dtype=dtype).transpose(-1, -2)
         return base.detach().requires_grad_(requires_grad)
     return torch.randn(*shape, dtype=dtype).requires_grad_(requires_grad)
+
+
+# The floating dtypes every rule is checked in.
+DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+
+
+def graph_node_names(out) -> set[str]:
+    """The names of the autograd nodes reachable from `out` (a tensor, or a tuple or list of them)."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    seen, stack, names = set(), [o.grad_fn for o in outs], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(node.name())
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+def check_node(fn, *inputs, node: str, **check_grads_kwargs):
+    """check_grads, after asserting that the graph really contains `node`."""
+    assert node in graph_node_names(fn(*inputs)), f"{node} is not in the graph: the case tests something else"
+    return check_grads(fn, *inputs, **check_grads_kwargs)
+
+
+@dataclass
+class Case:
+    """One way of building a graph that must contain the autograd node `node`."""
+    id: str
+    node: str  # the autograd node the case must exercise
+    fn: Callable
+    make: Callable  # dtype -> tuple of inputs (leaves that require grad, constants, index tensors, ...)
+    dtypes: tuple = field(default=DTYPES)
+
+
+def check_case(case: Case, dtype: torch.dtype):
+    """check_grads on `case.make(dtype)`, after asserting that the graph contains `case.node`; at
+    least one input must get a gradient."""
+    inputs = case.make(dtype)
+    assert case.node in graph_node_names(case.fn(*inputs)), f"{case.id} does not build {case.node}"
+    grads = check_grads(case.fn, *inputs)
+    assert any(g is not None for g in grads)

@@ -31,15 +31,17 @@ class NodeClass:
     tensor_flags: tuple[bool, ...]  # per saved name: a tensor (or tensor list) rather than a constant
     raw_names: tuple[str, ...]  # attribute suffixes after "_raw_saved_": the releasable ones
     read: Callable[[object], tuple]  # node -> the tuple of its saved values, in saved_names order
+    read_raw: Callable[[object], tuple]  # node -> its releasable SavedTensor objects (or lists)
 
 
 _CLASSES: dict[type, NodeClass] = {}
 
 
-def _reader(names: tuple[str, ...]):
+def _reader(prefix: str, names: tuple[str, ...]):
+    """node -> the tuple of its attributes prefix+name (one C-level call)."""
     if not names:
         return lambda node: ()
-    getter = operator.attrgetter(*("_saved_" + n for n in names))
+    getter = operator.attrgetter(*(prefix + n for n in names))
     return getter if len(names) > 1 else (lambda node: (getter(node),))
 
 
@@ -57,7 +59,7 @@ def node_class(node) -> NodeClass:
             saved = tuple(n[len("_saved_"):] for n in names if n.startswith("_saved_"))
             raw = tuple(n[len("_raw_saved_"):] for n in names if n.startswith("_raw_saved_"))
         flags = tuple(n in raw for n in saved)
-        info = _CLASSES[cls] = NodeClass(node.name(), kind, saved, flags, raw, _reader(saved))
+        info = _CLASSES[cls] = NodeClass(node.name(), kind, saved, flags, raw, _reader("_saved_", saved), _reader("_raw_saved_", raw))
     return info
 
 
@@ -179,8 +181,7 @@ def release_saved(nodes, classes, kinds=(CPP, PYTHON)) -> None:
     for node, info in zip(nodes, classes):
         if info.kind not in kinds:
             continue
-        for name in info.raw_names:
-            raw = getattr(node, "_raw_saved_" + name)
+        for raw in info.read_raw(node):
             for sv in raw if isinstance(raw, (list, tuple)) else (raw,):
                 if sv is None:
                     continue

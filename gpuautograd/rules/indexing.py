@@ -7,7 +7,7 @@ repeated indices sum their contributions (index_put with accumulate=True, scatte
 from __future__ import annotations
 
 from .registry import register
-from .views import norm_dim
+from .views import norm_dim, self_sizes_and_dim
 
 
 @register("IndexBackward0")
@@ -25,8 +25,7 @@ def index_select_backward(b, node, grads):
     # self: index_select_backward_symint(grad, self.sym_sizes(), dim, index)
     #       = zeros(self.sizes).index_add_(dim, index, grad)
     grad = grads[0]
-    sizes = tuple(node.saved("self_sym_sizes"))
-    dim = norm_dim(node.saved("dim"), len(sizes))
+    sizes, dim = self_sizes_and_dim(node)
     index = node.saved("index")
     if index.ndim == 0:  # a 0-d index still keeps its dim in the output, size 1
         index = b.reshape(index, (1,))

@@ -34,15 +34,36 @@ def _mv(b, mat, vec):
     return b.squeeze(b.mm(mat, b.unsqueeze(vec, 1)), 1)
 
 
+def _beta_self(b, node, grad):
+    """For beta * self + alpha * product: the gradient of `self` (input 0), grad * beta, and alpha."""
+    alpha, beta = node.saved("alpha"), node.saved("beta")
+    return (_scaled(b, grad, beta) if node.needs(0) else None), alpha
+
+
+def _product_grads(b, node, grad, product, left: str, right: str, first: int, alpha=1) -> list:
+    """The gradients of `alpha * product(left, right)` (product: b.mm or b.bmm) with respect to
+    its two saved factors, which are the node's inputs `first` and `first + 1`:
+    left: grad.product(right^T) * alpha;  right: left^T.product(grad) * alpha."""
+    grad_left = _scaled(b, product(grad, _mT(b, node.saved(right))), alpha) if node.needs(first) else None
+    grad_right = _scaled(b, product(_mT(b, node.saved(left)), grad), alpha) if node.needs(first + 1) else None
+    return [grad_left, grad_right]
+
+
+def _mv_grads(b, node, grad, mat: str, first: int, alpha=1) -> list:
+    """The gradients of `alpha * mat.mv(vec)` with respect to the saved `mat` and `vec`, the node's
+    inputs `first` and `first + 1`:  mat: grad.ger(vec) * alpha;  vec: mat.t().mv(grad) * alpha."""
+    grad_mat = _scaled(b, _outer(b, grad, node.saved("vec")), alpha) if node.needs(first) else None
+    grad_vec = _scaled(b, _mv(b, _mT(b, node.saved(mat)), grad), alpha) if node.needs(first + 1) else None
+    return [grad_mat, grad_vec]
+
+
 @register("MmBackward0")
 def mm_backward(b, node, grads):
     # self: grad.mm(mat2.t());  mat2: self.t().mm(grad)
     (grad,) = grads
     _real(node, grad)
     # torch saves `mat2` only when self needs a gradient and `self` only when mat2 does
-    grad_self = b.mm(grad, _mT(b, node.saved("mat2"))) if node.needs(0) else None
-    grad_mat2 = b.mm(_mT(b, node.saved("self")), grad) if node.needs(1) else None
-    return [grad_self, grad_mat2]
+    return _product_grads(b, node, grad, b.mm, "self", "mat2", 0)
 
 
 @register("AddmmBackward0")
@@ -50,11 +71,8 @@ def addmm_backward(b, node, grads):
     # self: grad * beta;  mat1: grad.mm(mat2.t()) * alpha;  mat2: mat1.t().mm(grad) * alpha
     (grad,) = grads
     _real(node, grad)
-    alpha, beta = node.saved("alpha"), node.saved("beta")
-    grad_self = _scaled(b, grad, beta) if node.needs(0) else None
-    grad_mat1 = _scaled(b, b.mm(grad, _mT(b, node.saved("mat2"))), alpha) if node.needs(1) else None
-    grad_mat2 = _scaled(b, b.mm(_mT(b, node.saved("mat1")), grad), alpha) if node.needs(2) else None
-    return [grad_self, grad_mat1, grad_mat2]
+    grad_self, alpha = _beta_self(b, node, grad)
+    return [grad_self, *_product_grads(b, node, grad, b.mm, "mat1", "mat2", 1, alpha)]
 
 
 @register("BmmBackward0")
@@ -62,9 +80,7 @@ def bmm_backward(b, node, grads):
     # self: grad.bmm(mat2.transpose(1, 2));  mat2: self.transpose(1, 2).bmm(grad)
     (grad,) = grads
     _real(node, grad)
-    grad_self = b.bmm(grad, _mT(b, node.saved("mat2"))) if node.needs(0) else None
-    grad_mat2 = b.bmm(_mT(b, node.saved("self")), grad) if node.needs(1) else None
-    return [grad_self, grad_mat2]
+    return _product_grads(b, node, grad, b.bmm, "self", "mat2", 0)
 
 
 @register("BaddbmmBackward0")
@@ -72,11 +88,8 @@ def baddbmm_backward(b, node, grads):
     # self: grad * beta;  batch1: grad.bmm(batch2.transpose(1, 2)) * alpha;  batch2: batch1.transpose(1, 2).bmm(grad) * alpha
     (grad,) = grads
     _real(node, grad)
-    alpha, beta = node.saved("alpha"), node.saved("beta")
-    grad_self = _scaled(b, grad, beta) if node.needs(0) else None
-    grad_b1 = _scaled(b, b.bmm(grad, _mT(b, node.saved("batch2"))), alpha) if node.needs(1) else None
-    grad_b2 = _scaled(b, b.bmm(_mT(b, node.saved("batch1")), grad), alpha) if node.needs(2) else None
-    return [grad_self, grad_b1, grad_b2]
+    grad_self, alpha = _beta_self(b, node, grad)
+    return [grad_self, *_product_grads(b, node, grad, b.bmm, "batch1", "batch2", 1, alpha)]
 
 
 @register("AddbmmBackward0")
@@ -84,17 +97,12 @@ def addbmm_backward(b, node, grads):
     # self: grad * beta;  batch1: grad.expand(B, n, p).bmm(batch2.transpose(1, 2)) * alpha;  batch2: batch1.transpose(1, 2).bmm(grad.expand(B, n, p)) * alpha
     (grad,) = grads
     _real(node, grad)
-    alpha, beta = node.saved("alpha"), node.saved("beta")
-    grad_self = _scaled(b, grad, beta) if node.needs(0) else None
-    grad_b1 = grad_b2 = None
-    if node.needs(1) or node.needs(2):
-        sizes = (node.saved("batch1_sym_argsize_0"), node.saved("batch1_sym_argsize_1"), node.saved("batch2_sym_argsize_2"))
-        per_batch = b.expand(b.unsqueeze(grad, 0), sizes)
-        if node.needs(1):
-            grad_b1 = _scaled(b, b.bmm(per_batch, _mT(b, node.saved("batch2"))), alpha)
-        if node.needs(2):
-            grad_b2 = _scaled(b, b.bmm(_mT(b, node.saved("batch1")), per_batch), alpha)
-    return [grad_self, grad_b1, grad_b2]
+    grad_self, alpha = _beta_self(b, node, grad)
+    if not (node.needs(1) or node.needs(2)):
+        return [grad_self, None, None]
+    sizes = (node.saved("batch1_sym_argsize_0"), node.saved("batch1_sym_argsize_1"), node.saved("batch2_sym_argsize_2"))
+    per_batch = b.expand(b.unsqueeze(grad, 0), sizes)
+    return [grad_self, *_product_grads(b, node, per_batch, b.bmm, "batch1", "batch2", 1, alpha)]
 
 
 @register("MvBackward0")
@@ -102,9 +110,7 @@ def mv_backward(b, node, grads):
     # self: grad.ger(vec);  vec: self.t().mv(grad)
     (grad,) = grads
     _real(node, grad)
-    grad_self = _outer(b, grad, node.saved("vec")) if node.needs(0) else None
-    grad_vec = _mv(b, _mT(b, node.saved("self")), grad) if node.needs(1) else None
-    return [grad_self, grad_vec]
+    return _mv_grads(b, node, grad, "self", 0)
 
 
 @register("AddmvBackward0")
@@ -112,11 +118,8 @@ def addmv_backward(b, node, grads):
     # self: grad * beta;  mat: grad.ger(vec) * alpha;  vec: mat.t().mv(grad) * alpha
     (grad,) = grads
     _real(node, grad)
-    alpha, beta = node.saved("alpha"), node.saved("beta")
-    grad_self = _scaled(b, grad, beta) if node.needs(0) else None
-    grad_mat = _scaled(b, _outer(b, grad, node.saved("vec")), alpha) if node.needs(1) else None
-    grad_vec = _scaled(b, _mv(b, _mT(b, node.saved("mat")), grad), alpha) if node.needs(2) else None
-    return [grad_self, grad_mat, grad_vec]
+    grad_self, alpha = _beta_self(b, node, grad)
+    return [grad_self, *_mv_grads(b, node, grad, "mat", 1, alpha)]
 
 
 @register("AddrBackward0")
@@ -124,8 +127,7 @@ def addr_backward(b, node, grads):
     # self: grad * beta;  vec1: grad.mv(vec2) * alpha;  vec2: grad.t().mv(vec1) * alpha
     (grad,) = grads
     _real(node, grad)
-    alpha, beta = node.saved("alpha"), node.saved("beta")
-    grad_self = _scaled(b, grad, beta) if node.needs(0) else None
+    grad_self, alpha = _beta_self(b, node, grad)
     grad_vec1 = _scaled(b, _mv(b, grad, node.saved("vec2")), alpha) if node.needs(1) else None
     grad_vec2 = _scaled(b, _mv(b, _mT(b, grad), node.saved("vec1")), alpha) if node.needs(2) else None
     return [grad_self, grad_vec1, grad_vec2]

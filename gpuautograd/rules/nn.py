@@ -168,61 +168,53 @@ def embedding_backward(b, node, grads):
 # the random state are saved for the backward kernel.
 
 
-@register("ScaledDotProductFlashAttentionForCpuBackward0")
-def sdpa_flash_cpu_backward(b, node, grads):
-    # query, key, value: _scaled_dot_product_flash_attention_for_cpu_backward(grad, query, key, value, output, logsumexp, dropout_p, is_causal, attn_mask, scale)
+def _attention(b, node, grads, op: str, fixed: tuple, optional: tuple, attrs: tuple, mask_count: int = 0):
+    """Extern `op` on the gradient, the saved values named in `fixed` and `optional` (None where
+    absent), with the saved values named in `attrs` as attributes in that order, except
+    "grad_input_mask", which is the mask of the first `mask_count` edges."""
     grad = grads[0]
     if grad is None:
         return [None] * node.num_outputs
-    fixed = [grad] + [node.saved(n) for n in ("query", "key", "value", "output", "logsumexp")]
-    outs = emit_optional(
-        b, "sdpa_flash_cpu_backward", fixed, [node.saved("attn_mask")],
-        dropout_p=node.saved("dropout_p"), is_causal=node.saved("is_causal"), scale=node.saved("scale"),
+    fixed_values = [grad] + [node.saved(n) for n in fixed]
+    optional_values = [node.saved(n) for n in optional]
+    kwargs = {n: _mask(node, mask_count) if n == "grad_input_mask" else node.saved(n) for n in attrs}
+    return _masked(node, emit_optional(b, op, fixed_values, optional_values, **kwargs))
+
+
+@register("ScaledDotProductFlashAttentionForCpuBackward0")
+def sdpa_flash_cpu_backward(b, node, grads):
+    # query, key, value: _scaled_dot_product_flash_attention_for_cpu_backward(grad, query, key, value, output, logsumexp, dropout_p, is_causal, attn_mask, scale)
+    return _attention(
+        b, node, grads, "sdpa_flash_cpu_backward", ("query", "key", "value", "output", "logsumexp"), ("attn_mask",),
+        ("dropout_p", "is_causal", "scale"),
     )
-    return _masked(node, outs)
 
 
 @register("ScaledDotProductEfficientAttentionBackward0")
 def sdpa_efficient_backward(b, node, grads):
     # query, key, value, attn_bias: _scaled_dot_product_efficient_attention_backward(grad, query, key, value, attn_bias, output, log_sumexp, philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal, scale)
-    grad = grads[0]
-    if grad is None:
-        return [None] * node.num_outputs
-    fixed = [grad] + [node.saved(n) for n in ("query", "key", "value", "output", "log_sumexp", "philox_seed", "philox_offset")]
-    outs = emit_optional(
-        b, "sdpa_efficient_backward", fixed, [node.saved("attn_bias")],
-        dropout_p=node.saved("dropout_p"), grad_input_mask=_mask(node, 4),
-        is_causal=node.saved("is_causal"), scale=node.saved("scale"),
+    return _attention(
+        b, node, grads, "sdpa_efficient_backward",
+        ("query", "key", "value", "output", "log_sumexp", "philox_seed", "philox_offset"), ("attn_bias",),
+        ("dropout_p", "grad_input_mask", "is_causal", "scale"), mask_count=4,
     )
-    return _masked(node, outs)
 
 
 @register("ScaledDotProductFlashAttentionBackward0")
 def sdpa_flash_backward(b, node, grads):
     # query, key, value: _scaled_dot_product_flash_attention_backward(grad, query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, scale)
-    grad = grads[0]
-    if grad is None:
-        return [None] * node.num_outputs
-    fixed = [grad] + [node.saved(n) for n in ("query", "key", "value", "output", "logsumexp", "rng_state", "unused")]
-    outs = emit_optional(
-        b, "sdpa_flash_backward", fixed, [node.saved("cum_seq_q"), node.saved("cum_seq_k")],
-        max_q=node.saved("max_q"), max_k=node.saved("max_k"), dropout_p=node.saved("dropout_p"),
-        is_causal=node.saved("is_causal"), scale=node.saved("scale"),
+    return _attention(
+        b, node, grads, "sdpa_flash_backward",
+        ("query", "key", "value", "output", "logsumexp", "rng_state", "unused"), ("cum_seq_q", "cum_seq_k"),
+        ("max_q", "max_k", "dropout_p", "is_causal", "scale"),
     )
-    return _masked(node, outs)
 
 
 @register("ScaledDotProductCudnnAttentionBackward0")
 def sdpa_cudnn_backward(b, node, grads):
     # query, key, value: _scaled_dot_product_cudnn_attention_backward(grad, query, key, value, output, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale)
-    grad = grads[0]
-    if grad is None:
-        return [None] * node.num_outputs
-    fixed = [grad] + [node.saved(n) for n in ("query", "key", "value", "output", "logsumexp", "philox_seed", "philox_offset")]
-    optional = [node.saved(n) for n in ("attn_bias", "cum_seq_q", "cum_seq_k")]
-    outs = emit_optional(
-        b, "sdpa_cudnn_backward", fixed, optional,
-        max_q=node.saved("max_q"), max_k=node.saved("max_k"), dropout_p=node.saved("dropout_p"),
-        is_causal=node.saved("is_causal"), scale=node.saved("scale"),
+    return _attention(
+        b, node, grads, "sdpa_cudnn_backward",
+        ("query", "key", "value", "output", "logsumexp", "philox_seed", "philox_offset"), ("attn_bias", "cum_seq_q", "cum_seq_k"),
+        ("max_q", "max_k", "dropout_p", "is_causal", "scale"),
     )
-    return _masked(node, outs)

@@ -357,58 +357,58 @@ def clamp_scalar_backward(b, node, grads):
     return [_pass_between(b, grads[0], node.saved("self"), node.saved("min"), node.saved("max"))]
 
 
+def _clamp_grads(b, g, x, lo, hi, need_x: bool, need_lo: bool, need_hi: bool) -> list:
+    """[self, min, max] gradients of clamp(self, min, max) with tensor bounds; a None bound is no
+    bound and gets no gradient, so clamp_min and clamp_max are the cases with one bound."""
+    gx = _pass_between(b, g, x, lo, hi) if need_x else None
+    glo = ghi = None
+    if lo is not None and hi is not None:
+        if need_lo:
+            glo = b.where(b.logical_and(b.lt(x, lo), b.lt(lo, hi)), g, 0)
+        if need_hi:
+            ghi = b.where(b.logical_or(b.gt(x, hi), b.lt(hi, lo)), g, 0)
+    elif lo is not None and need_lo:
+        glo = b.where(b.lt(x, lo), g, 0)
+    elif hi is not None and need_hi:
+        ghi = b.where(b.gt(x, hi), g, 0)
+    return [gx, glo, ghi]
+
+
 @register("ClampBackward0")
 def clamp_tensor_backward(b, node, grads):
     # self: where(min <= self <= max, grad, 0)
     # min: where(self < min & min < max, grad, 0); max: where(self > max | max < min, grad, 0)
     (g,) = grads
     x, lo, hi = node.saved("self"), node.saved("min"), node.saved("max")
-    gx = _pass_between(b, g, x, lo, hi) if node.needs(0) else None
-    glo = ghi = None
-    if lo is not None and hi is not None:
-        if node.needs(1):
-            glo = b.where(b.logical_and(b.lt(x, lo), b.lt(lo, hi)), g, 0)
-        if node.needs(2):
-            ghi = b.where(b.logical_or(b.gt(x, hi), b.lt(hi, lo)), g, 0)
-    elif lo is not None and node.needs(1):
-        glo = b.where(b.lt(x, lo), g, 0)
-    elif hi is not None and node.needs(2):
-        ghi = b.where(b.gt(x, hi), g, 0)
-    return [gx, glo, ghi]
+    return _clamp_grads(b, g, x, lo, hi, node.needs(0), node.needs(1), node.needs(2))
 
 
 @register("ClampMinBackward0")
 def clamp_min_scalar_backward(b, node, grads):
     # self: where(self >= min, grad, 0)
-    return [b.where(b.ge(node.saved("self"), node.saved("min")), grads[0], 0)]
+    return [_pass_between(b, grads[0], node.saved("self"), node.saved("min"), None)]
 
 
 @register("ClampMinBackward1")
 def clamp_min_tensor_backward(b, node, grads):
     # self: where(self >= min, grad, 0); min: where(self < min, grad, 0)
     (g,) = grads
-    x, lo = node.saved("self"), node.saved("min")
-    return [
-        b.where(b.ge(x, lo), g, 0) if node.needs(0) else None,
-        b.where(b.lt(x, lo), g, 0) if node.needs(1) else None,
-    ]
+    gx, glo, _ = _clamp_grads(b, g, node.saved("self"), node.saved("min"), None, node.needs(0), node.needs(1), False)
+    return [gx, glo]
 
 
 @register("ClampMaxBackward0")
 def clamp_max_scalar_backward(b, node, grads):
     # self: where(self <= max, grad, 0)
-    return [b.where(b.le(node.saved("self"), node.saved("max")), grads[0], 0)]
+    return [_pass_between(b, grads[0], node.saved("self"), None, node.saved("max"))]
 
 
 @register("ClampMaxBackward1")
 def clamp_max_tensor_backward(b, node, grads):
     # self: where(self <= max, grad, 0); max: where(self > max, grad, 0)
     (g,) = grads
-    x, hi = node.saved("self"), node.saved("max")
-    return [
-        b.where(b.le(x, hi), g, 0) if node.needs(0) else None,
-        b.where(b.gt(x, hi), g, 0) if node.needs(1) else None,
-    ]
+    gx, _, ghi = _clamp_grads(b, g, node.saved("self"), None, node.saved("max"), node.needs(0), False, node.needs(1))
+    return [gx, ghi]
 
 
 def _select_with_ties(b, g, x, y, loses):

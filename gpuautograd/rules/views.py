@@ -11,6 +11,12 @@ def norm_dim(dim: int, ndim: int) -> int:
     return dim % max(ndim, 1)
 
 
+def self_sizes_and_dim(node) -> tuple[tuple, int]:
+    """The saved sizes of `self` and the saved `dim`, normalized against them."""
+    sizes = tuple(node.saved("self_sym_sizes"))
+    return sizes, norm_dim(node.saved("dim"), len(sizes))
+
+
 def clamp_slice_bounds(start, end, size: int) -> tuple[int, int]:
     """torch's slice bounds: None -> the ends, negatives count from the end, then clamped to
     [0, size] with end >= start. `end` is often INT64_MAX for `x[a:]`."""
@@ -103,8 +109,7 @@ def slice_backward(b, node, grads):
     # self: slice_backward_wrapper(grad, self.sym_sizes(), dim, start, end, step)
     #       = zeros(self.sizes).slice_scatter(grad, dim, start, end, step)
     grad = grads[0]
-    sizes = tuple(node.saved("self_sym_sizes"))
-    dim = norm_dim(node.saved("dim"), len(sizes))
+    sizes, dim = self_sizes_and_dim(node)
     step = node.saved("step")
     start, end = clamp_slice_bounds(node.saved("start"), node.saved("end"), sizes[dim])
     if start == 0 and end == sizes[dim] and step == 1:
@@ -118,8 +123,7 @@ def select_backward(b, node, grads):
     # self: select_backward_symint(grad, self.sym_sizes(), dim, index)
     #       = zeros(self.sizes).select_scatter(grad, dim, index)
     grad = grads[0]
-    sizes = tuple(node.saved("self_sym_sizes"))
-    dim = norm_dim(node.saved("dim"), len(sizes))
+    sizes, dim = self_sizes_and_dim(node)
     index = node.saved("index") % sizes[dim]
     base = b.full(sizes, 0, grad.dtype, grad.device)
     return [b.select_scatter(base, grad, dim, index)]
@@ -200,8 +204,7 @@ def _join_pieces(b, grads, piece_types, dim: int, unsqueeze: bool):
 def split_backward(b, node, grads):
     # self: split_backward / split_with_sizes_backward(grads, split_size(s), dim, sizes, options):
     #       cat(grads, dim) with zeros for the outputs without a gradient
-    sizes = node.saved("self_sym_sizes")
-    dim = norm_dim(node.saved("dim"), len(sizes))
+    _, dim = self_sizes_and_dim(node)
     pieces = [node.input_type(i) for i in range(len(grads))]
     return [_join_pieces(b, grads, pieces, dim, unsqueeze=False)]
 

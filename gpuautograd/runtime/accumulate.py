@@ -19,6 +19,8 @@ def non_overlapping_and_dense(t: torch.Tensor) -> bool:
 
 def obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
     """A gradient may be stolen as .grad only with the variable's strides (ignoring size-1 dims)."""
+    if grad.stride() == variable.stride() and variable.is_contiguous():
+        return True  # the common case, decided without the general check below
     if not non_overlapping_and_dense(variable):
         return grad.is_contiguous()
     for size, gs, vs in zip(grad.shape, grad.stride(), variable.stride()):

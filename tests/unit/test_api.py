@@ -208,3 +208,27 @@ def test_backend_names_are_checked(monkeypatch):
     monkeypatch.setenv("GPUAUTOGRAD_BACKEND", "nope")
     with pytest.raises(ValueError, match="GPUAUTOGRAD_BACKEND"):
         gpuautograd.backward(x.sum())
+
+
+def test_a_hit_runs_no_rule(monkeypatch):
+    from gpuautograd.rules import registry
+
+    calls = []
+    original = registry.RULES["TanhBackward0"]
+    monkeypatch.setitem(registry.RULES, "TanhBackward0", lambda *a: calls.append(1) or original(*a))
+    for _ in range(3):
+        (x, w, b), h = graph()
+        gpuautograd.backward(h.sum())
+        assert x.grad is not None
+    assert calls == [1]
+    assert gpuautograd.stats()["cache_hits"] == 2
+
+
+def test_cache_size_is_bounded(monkeypatch):
+    monkeypatch.setenv("GPUAUTOGRAD_CACHE_SIZE", "2")
+    x = rand(3)
+    for fn in (torch.sin, torch.cos, torch.exp, torch.sin):
+        gpuautograd.backward(fn(x).sum())
+    s = gpuautograd.stats()
+    assert s["cached_programs"] == 2
+    assert s["captures"] == 4, "sin was evicted (least recently used) and had to be captured again"

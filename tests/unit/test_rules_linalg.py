@@ -11,9 +11,8 @@ from gpuautograd.ir.builder import Builder
 from gpuautograd.ir.program import InputSpec
 from gpuautograd.ir.types import TensorType
 from gpuautograd.rules import lookup
-from tests.helpers import check_grads, rand
+from tests.helpers import DTYPES, check_grads, check_node, rand
 
-DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 SIZES = [(7, 13, 5), (33, 65, 17)]  # (m, k, n), odd on purpose
 
 
@@ -22,24 +21,6 @@ def leaf(*shape, dtype=torch.float64, noncontiguous=False):
     if not shape:
         return torch.randn((), dtype=dtype).requires_grad_()
     return rand(*shape, dtype=dtype, noncontiguous=noncontiguous)
-
-
-def node_names(out) -> set[str]:
-    seen, stack, names = set(), [out.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(node.name())
-        stack.extend(n for n, _ in node.next_functions)
-    return names
-
-
-def check_node(fn, *inputs, node: str):
-    """check_grads, after asserting that the graph really contains `node`."""
-    assert node in node_names(fn(*inputs)), f"{node} is not in the graph: the case tests something else"
-    return check_grads(fn, *inputs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

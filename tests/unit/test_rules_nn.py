@@ -17,29 +17,9 @@ from gpuautograd.ir.types import TensorType
 from gpuautograd.ir.verifier import verify
 from gpuautograd.rules import lookup
 from gpuautograd.runtime.reference import compile_reference
-from tests.helpers import assert_close, check_grads, rand
+from tests.helpers import DTYPES, assert_close, check_node, rand
 
-DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 aten = torch.ops.aten
-
-
-def node_names(out) -> set[str]:
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    seen, stack, names = set(), [o.grad_fn for o in outs], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(node.name())
-        stack.extend(n for n, _ in node.next_functions)
-    return names
-
-
-def check_node(fn, *inputs, node: str):
-    """check_grads, after asserting that the graph really contains `node`."""
-    assert node in node_names(fn(*inputs)), f"{node} is not in the graph: the case tests something else"
-    return check_grads(fn, *inputs)
 
 
 def program_of(fn, *inputs) -> str:

@@ -4,40 +4,14 @@ Every case first asserts that its graph contains the node it is about, so a case
 test some other rule."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import check_grads, rand
+from tests.helpers import Case, check_grads, graph_node_names, rand
 
-ALL_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 F64 = (torch.float64,)
-
-
-@dataclass
-class Case:
-    id: str
-    node: str  # the autograd node the case must exercise
-    fn: Callable
-    make: Callable  # dtype -> tuple of inputs
-    dtypes: tuple = field(default=ALL_DTYPES)
-
-
-def graph_node_names(out) -> set[str]:
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    seen, stack, names = set(), [o.grad_fn for o in outs if o.grad_fn is not None], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        names.add(node.name())
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return names
 
 
 def run_case(case: Case, dtype: torch.dtype) -> None:

@@ -1,50 +1,13 @@
 """Gradients of layout (view) nodes against torch.autograd: one case per node and form of it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import pytest
 import torch
 
-import gpuautograd
-from tests.helpers import check_grads, rand
-
-DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+from tests.helpers import DTYPES, Case, check_case, check_grads, graph_node_names, rand
 
 # A fallback to eager autograd would compare torch with itself: make it an error.
 pytestmark = pytest.mark.filterwarnings("error:gpuautograd falls back")
-
-
-@pytest.fixture(autouse=True)
-def _never_eager(monkeypatch):
-    # Every case is a new graph of a similar structure; the recapture limit is for real workloads.
-    monkeypatch.setenv("GPUAUTOGRAD_RECAPTURE_LIMIT", "1000000")
-    before = sum(gpuautograd.stats()["fallbacks"].values())
-    yield
-    assert sum(gpuautograd.stats()["fallbacks"].values()) == before, gpuautograd.stats()["fallbacks"]
-
-
-@dataclass
-class Case:
-    id: str
-    node: str  # the autograd node the case must exercise
-    fn: Callable
-    make: Callable  # dtype -> inputs
-
-
-def graph_node_names(out) -> set[str]:
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    seen, stack = set(), [o.grad_fn for o in outs if o.grad_fn is not None]
-    names = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        names.add(node.name())
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return names
 
 
 def fresh(x):
@@ -148,10 +111,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_view_rule(case, dtype):
-    inputs = case.make(dtype)
-    assert case.node in graph_node_names(case.fn(*inputs)), f"{case.id} does not build {case.node}"
-    grads = check_grads(case.fn, *inputs)
-    assert any(g is not None for g in grads)
+    check_case(case, dtype)
 
 
 def test_attention_style_layout_chain():

@@ -41,9 +41,10 @@ def native_layer_norm_backward(b, node, grads):
     return [d_input, d_weight, d_bias]
 
 
-@register("SoftmaxBackward0")
+@register("SoftmaxBackward0", "SafeSoftmaxBackward0")
 def softmax_backward(b, node, grads):
-    # self: result * (grad - sum(grad * result, dim, keepdim=True))
+    # self: result * (grad - sum(grad * result, dim, keepdim=True)); _safe_softmax has the same
+    # backward (its all-masked rows have result 0, so their gradient is 0)
     g, y = opmath(b, grads[0]), opmath(b, node.saved("result"))
     dim = node.saved("dim")
     return [b.mul(y, b.sub(g, b.sum(b.mul(g, y), dim, keepdim=True)))]

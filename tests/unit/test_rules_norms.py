@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import DTYPES, Case, assert_close, graph_node_names, rand
+from tests.helpers import DTYPES, Case, assert_close, check_node, graph_node_names, rand
 from tests.unit.test_rules_pointwise import const, params, positive, run_case
 
 
@@ -140,3 +140,12 @@ def test_rmsnorm_needs_no_rule_of_its_own(dtype):
         "MulBackward0", "RsqrtBackward0", "AddBackward0", "MeanBackward1", "PowBackward0",
         "torch::autograd::AccumulateGrad",
     }
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+def test_attention_math_path_uses_safe_softmax(dtype):
+    # A mask that requires grad sends CPU attention down the math path: bmm + _safe_softmax.
+    q = rand(2, 3, 5, 8, dtype=dtype, noncontiguous=True)
+    k, v = rand(2, 3, 7, 8, dtype=dtype), rand(2, 3, 7, 8, dtype=dtype)
+    mask = rand(5, 7, dtype=dtype)
+    check_node(F.scaled_dot_product_attention, q, k, v, mask, node="SafeSoftmaxBackward0")

@@ -8,6 +8,7 @@
 4. prints the cache stats (captures, hits, misses with their reason, fallbacks).
 Runs on the CPU when there is no GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,8 @@ def main(argv=None) -> int:
     worst = max(rows, key=lambda r: r.max_abs)
     print(f"step 0: {len(rows)} parameter gradients match torch.autograd (worst max abs error {worst.max_abs:.2e})")
     report = gpuautograd.explain(loss_fn(model, *batch))
-    print(f"captured program: {report.num_nodes} autograd nodes -> {report.program.num_ops()} IR ops, opaque nodes: {report.opaque_nodes or 'none'}")
+    opaque = report.opaque_nodes or "none"
+    print(f"captured program: {report.num_nodes} autograd nodes -> {report.program.num_ops()} IR ops, opaque nodes: {opaque}")
 
     # 2. Train.
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
 
     # 4. Cache stats.
     s = gpuautograd.stats()
-    print(f"stats: captures {s['captures']}, cache hits {s['cache_hits']}, misses {s['cache_misses']} {s['miss_reasons']}, fallbacks {s['fallbacks'] or 'none'}")
+    print(f"stats: captures {s['captures']}, cache hits {s['cache_hits']}, misses {s['cache_misses']} {s['miss_reasons']}")
+    print(f"       fallbacks to eager: {s['fallbacks'] or 'none'}")
     return 0
 
 

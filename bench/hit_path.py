@@ -9,6 +9,7 @@ noise hits them alike; ratios are what to compare. Reported per iteration, media
   walk+key   the part of `hit` that is not running the ops: walking the graph, building and
              hashing the key, and looking the plan up
 """
+
 from __future__ import annotations
 
 import argparse

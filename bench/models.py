@@ -4,6 +4,7 @@ Small, dependency-free definitions of the model families gpuautograd must cover:
 CNN, a GPT-style block (layer norm, causal attention, GELU MLP) and a Llama-style block (RMSNorm
 written as pow/mean/rsqrt, SiLU-gated MLP). Each `make_*` returns (model, make_batch, loss_fn).
 """
+
 from __future__ import annotations
 
 import math

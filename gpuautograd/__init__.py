@@ -1,4 +1,5 @@
 """gpuautograd: a functional, GPU-first replacement for `loss.backward()`."""
+
 from . import rules  # noqa: F401 - registers every rule
 from .api import Explanation, ValidationError, backward, enable, explain, grad, reset, stats, validate
 

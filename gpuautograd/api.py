@@ -4,11 +4,12 @@ Signatures and semantics mirror `torch.autograd.backward` and `torch.autograd.gr
 can't be honored functionally (hooks, create_graph, anomaly mode, active saved-tensor hooks, a
 multi-rank process group) runs eager torch.autograd, with a one-time warning naming the reason.
 """
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.autograd as _autograd
@@ -127,7 +128,9 @@ def grad(
             reason = str(e)
     if reason is not None:
         warn_fallback(reason)
-        return _eager_grad(outputs, inputs_t, grads, retain_graph, create_graph, allow_unused=allow_unused, materialize_grads=materialize_grads)
+        return _eager_grad(
+            outputs, inputs_t, grads, retain_graph, create_graph, allow_unused=allow_unused, materialize_grads=materialize_grads
+        )
     for k, r in enumerate(results):
         if r is None:
             if materialize_grads:
@@ -151,14 +154,33 @@ def enable(backend: str | None = None):
             grad_tensors = grad_variables
         return backward(tensors, grad_tensors, retain_graph, create_graph, inputs, backend=backend)
 
-    def routed_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
-                    allow_unused=None, is_grads_batched=False, materialize_grads=False):
+    def routed_grad(
+        outputs,
+        inputs,
+        grad_outputs=None,
+        retain_graph=None,
+        create_graph=False,
+        only_inputs=True,
+        allow_unused=None,
+        is_grads_batched=False,
+        materialize_grads=False,
+    ):
         if is_grads_batched:
             warn_fallback("is_grads_batched=True (vmap over the backward) needs eager autograd")
-            return _eager_grad(outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs, allow_unused,
-                               is_grads_batched=True, materialize_grads=materialize_grads)
-        return grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
-                    materialize_grads=materialize_grads, backend=backend)
+            return _eager_grad(
+                outputs,
+                inputs,
+                grad_outputs,
+                retain_graph,
+                create_graph,
+                only_inputs,
+                allow_unused,
+                is_grads_batched=True,
+                materialize_grads=materialize_grads,
+            )
+        return grad(
+            outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused, materialize_grads=materialize_grads, backend=backend
+        )
 
     def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         return backward(self, gradient, retain_graph, create_graph, inputs, backend=backend)
@@ -224,8 +246,15 @@ class ValidationError(AssertionError):
     pass
 
 
-def validate(tensors, grad_tensors=None, inputs: Sequence[torch.Tensor] | None = None, *, backend: str | None = None,
-             rtol: float | None = None, atol: float | None = None) -> list[InputError]:
+def validate(
+    tensors,
+    grad_tensors=None,
+    inputs: Sequence[torch.Tensor] | None = None,
+    *,
+    backend: str | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> list[InputError]:
     """Run gpuautograd and torch.autograd on the same graph (retaining it) and compare the
     gradients of `inputs` (default: every leaf that requires grad). Raises ValidationError with a
     table when any error is over tolerance; otherwise returns the per-input errors."""
@@ -258,7 +287,8 @@ def validate(tensors, grad_tensors=None, inputs: Sequence[torch.Tensor] | None =
             f"{r.index:>5}  {str(list(r.shape)):<20} {str(r.dtype):<16} {r.max_abs:>12.3e} {r.max_rel:>12.3e}  {'ok' if r.ok else 'FAIL'}"
             for r in rows
         )
-        raise ValidationError(f"gpuautograd gradients differ from torch.autograd:\n{'input':>5}  {'shape':<20} {'dtype':<16} {'max abs':>12} {'max rel':>12}\n{table}")
+        header = f"{'input':>5}  {'shape':<20} {'dtype':<16} {'max abs':>12} {'max rel':>12}"
+        raise ValidationError(f"gpuautograd gradients differ from torch.autograd:\n{header}\n{table}")
     return rows
 
 

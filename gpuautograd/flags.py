@@ -2,6 +2,7 @@
 
 Each flag is read when it is used, so tests and users can change the environment at run time.
 """
+
 from __future__ import annotations
 
 import os

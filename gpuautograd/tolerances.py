@@ -1,4 +1,5 @@
 """The one table of gradient tolerances per dtype, (rtol, atol), used by validate() and the tests."""
+
 from __future__ import annotations
 
 import torch

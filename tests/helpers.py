@@ -1,8 +1,9 @@
 """Shared test helpers: compare gpuautograd's gradients with torch.autograd's on the same graph."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -79,6 +80,7 @@ def check_node(fn, *inputs, node: str, **check_grads_kwargs):
 @dataclass
 class Case:
     """One way of building a graph that must contain the autograd node `node`."""
+
     id: str
     node: str  # the autograd node the case must exercise
     fn: Callable

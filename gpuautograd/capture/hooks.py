@@ -5,6 +5,7 @@ tensors are tracked at the source: `Tensor.register_hook` and `Tensor.retain_gra
 once, when gpuautograd is imported, to remember (weakly) every non-leaf tensor they touch.
 Leaf hooks need no tracking: the AccumulateGrad node exposes its variable.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -12,7 +13,7 @@ import weakref
 import torch
 
 # id(tensor) -> tensor; entries vanish with their tensor, so a reused id is never stale.
-_tracked: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_tracked: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _installed = False
 
 

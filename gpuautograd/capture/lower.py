@@ -5,6 +5,7 @@ each node, calls the node's rule (or emits an opaque call of the live node), and
 `validate_outputs` on every edge: the next node's input metadata decides the dtype cast, the
 reduction of a broadcast shape and the device.
 """
+
 from __future__ import annotations
 
 import heapq

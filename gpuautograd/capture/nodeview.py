@@ -1,5 +1,6 @@
 """What a rule sees of one autograd node: its saved values as IR values or Python constants,
 its metadata, and which of its edges need a gradient."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -56,4 +57,3 @@ class NodeView:
 
     def __repr__(self) -> str:
         return f"NodeView({self.name}, saved={sorted(self._saved)})"
-

@@ -5,12 +5,13 @@ the node's class, its edges, its input metadata and its saved values. Everything
 IR) happens only on a cache miss, in `lower.py`, which re-reads the same attributes in the same
 order so that saved-tensor slots line up.
 """
+
 from __future__ import annotations
 
 import operator
-from itertools import repeat
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from itertools import repeat
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -56,8 +57,8 @@ def node_class(node) -> NodeClass:
             kind, raw = PYTHON, ("tensors",)
         else:
             kind = ACCUMULATE if node.name() == ACCUMULATE_NAME else CPP
-            saved = tuple(n[len("_saved_"):] for n in names if n.startswith("_saved_"))
-            raw = tuple(n[len("_raw_saved_"):] for n in names if n.startswith("_raw_saved_"))
+            saved = tuple(n[len("_saved_") :] for n in names if n.startswith("_saved_"))
+            raw = tuple(n[len("_raw_saved_") :] for n in names if n.startswith("_raw_saved_"))
         flags = tuple(n in raw for n in saved)
         info = _CLASSES[cls] = NodeClass(node.name(), kind, saved, flags, raw, _reader("_saved_", saved), _reader("_raw_saved_", raw))
     return info

@@ -1,13 +1,14 @@
 """The builder that rules use to emit IR. Every method returns the new Value (or a tuple of them)
 with its type already inferred, so a rule can read `.shape` and `.dtype` as it goes."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .ops import get_op
-from .program import Instr, InputSpec, Operand, OutputSpec, Program, Value
+from .program import InputSpec, Instr, Operand, OutputSpec, Program, Value
 from .types import NodeType, TensorType
 
 

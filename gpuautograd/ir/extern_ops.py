@@ -12,6 +12,7 @@ that are not asked for.
 
 This module registers into the one op table in `ops.py`; importing it is enough.
 """
+
 from __future__ import annotations
 
 import torch
@@ -85,15 +86,31 @@ def _sdpa_flash_cpu_backward(grad, query, key, value, out, logsumexp, *mask, pre
 
 
 @register_op("sdpa_efficient_backward", EXTERN)
-def _sdpa_efficient_backward(grad, query, key, value, out, logsumexp, philox_seed, philox_offset, *bias, present, dropout_p, grad_input_mask, is_causal, scale):
+def _sdpa_efficient_backward(
+    grad, query, key, value, out, logsumexp, philox_seed, philox_offset, *bias, present, dropout_p, grad_input_mask, is_causal, scale
+):
     (attn_bias,) = _fill_absent(bias, present)
     return aten._scaled_dot_product_efficient_attention_backward(
-        grad, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p, list(grad_input_mask), is_causal, scale=scale
+        grad,
+        query,
+        key,
+        value,
+        attn_bias,
+        out,
+        logsumexp,
+        philox_seed,
+        philox_offset,
+        dropout_p,
+        list(grad_input_mask),
+        is_causal,
+        scale=scale,
     )
 
 
 @register_op("sdpa_flash_backward", EXTERN)
-def _sdpa_flash_backward(grad, query, key, value, out, logsumexp, rng_state, unused, *cum_seqs, present, max_q, max_k, dropout_p, is_causal, scale):
+def _sdpa_flash_backward(
+    grad, query, key, value, out, logsumexp, rng_state, unused, *cum_seqs, present, max_q, max_k, dropout_p, is_causal, scale
+):
     cum_seq_q, cum_seq_k = _fill_absent(cum_seqs, present)
     return aten._scaled_dot_product_flash_attention_backward(
         grad, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, scale=scale
@@ -101,11 +118,27 @@ def _sdpa_flash_backward(grad, query, key, value, out, logsumexp, rng_state, unu
 
 
 @register_op("sdpa_cudnn_backward", EXTERN)
-def _sdpa_cudnn_backward(grad, query, key, value, out, logsumexp, philox_seed, philox_offset, *optional, present, max_q, max_k, dropout_p, is_causal, scale):
+def _sdpa_cudnn_backward(
+    grad, query, key, value, out, logsumexp, philox_seed, philox_offset, *optional, present, max_q, max_k, dropout_p, is_causal, scale
+):
     attn_bias, cum_seq_q, cum_seq_k = _fill_absent(optional, present)
     return aten._scaled_dot_product_cudnn_attention_backward(
-        grad, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k,
-        max_q, max_k, dropout_p, is_causal, scale=scale,
+        grad,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        philox_seed,
+        philox_offset,
+        attn_bias,
+        cum_seq_q,
+        cum_seq_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        scale=scale,
     )
 
 

@@ -5,10 +5,12 @@ later backends must agree with it. Type inference runs at capture time only. Ops
 are long (extern library calls, indexing) infer by running their reference on meta tensors, which
 is exact by construction.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

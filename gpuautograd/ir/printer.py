@@ -1,9 +1,10 @@
 """Print a program so that it reads as one: SSA names, types, and the autograd node of each value.
 
-    def backward(%g0: f32[], %s0: f32[4, 5] = MulBackward0.other):
-      %0 = mul %g0, %s0 : f32[4, 5]  # MulBackward0
-      return {x.grad: %0}
+def backward(%g0: f32[], %s0: f32[4, 5] = MulBackward0.other):
+  %0 = mul %g0, %s0 : f32[4, 5]  # MulBackward0
+  return {x.grad: %0}
 """
+
 from __future__ import annotations
 
 from typing import Any

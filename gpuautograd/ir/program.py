@@ -5,14 +5,15 @@ operand is either a Value or a Python scalar literal (bool, int or float). Input
 runtime finds each tensor (a root gradient, a saved tensor, a live node); outputs say where each
 gradient goes (a leaf's .grad, a retained non-leaf, a result of grad()).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from .types import NodeType, TensorType
 
-Scalar = Union[bool, int, float]
+Scalar = bool | int | float
 
 
 class Value:
@@ -49,7 +50,7 @@ class Value:
         return f"{self.name}: {self.type}"
 
 
-Operand = Union[Value, Scalar]
+Operand = Value | Scalar
 
 
 @dataclass

@@ -1,4 +1,5 @@
 """Value types of the IR: tensors (shape, dtype, device) and references to live autograd nodes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ class TensorType:
     device: torch.device
 
     @staticmethod
-    def of(t: torch.Tensor) -> "TensorType":
+    def of(t: torch.Tensor) -> TensorType:
         return TensorType(tuple(t.shape), t.dtype, t.device)
 
     @property
@@ -45,7 +46,7 @@ class TensorType:
             n *= s
         return n
 
-    def with_(self, shape=None, dtype=None, device=None) -> "TensorType":
+    def with_(self, shape=None, dtype=None, device=None) -> TensorType:
         return TensorType(
             self.shape if shape is None else tuple(shape),
             self.dtype if dtype is None else dtype,

@@ -1,5 +1,6 @@
 """Check that a program is well formed: SSA order, known ops, and types that re-infer to what the
 instructions record. Errors print the program around the bad instruction."""
+
 from __future__ import annotations
 
 from .builder import IRError

@@ -1,4 +1,5 @@
 """Pure Program -> Program passes, run in a fixed pipeline, each named and timed."""
+
 from __future__ import annotations
 
 import time

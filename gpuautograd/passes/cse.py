@@ -1,5 +1,6 @@
 """Common-subexpression elimination: an instruction equal to an earlier one (same op, operands
 and attributes) reuses the earlier results."""
+
 from __future__ import annotations
 
 from ..ir.ops import get_op

@@ -1,4 +1,5 @@
 """Dead-code elimination: drop instructions whose results nothing uses, then unused inputs."""
+
 from __future__ import annotations
 
 from ..ir.ops import get_op

@@ -1,4 +1,5 @@
 """A small helper for passes: copy a program while substituting values."""
+
 from __future__ import annotations
 
 from dataclasses import replace

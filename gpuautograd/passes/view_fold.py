@@ -3,6 +3,7 @@
 reshape(reshape(x)) -> reshape(x); permute(permute(x)) -> one permute; expand(expand(x)) -> one
 expand; a reshape, permute or expand that gives back x's own layout -> x.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace

@@ -1,4 +1,5 @@
 """Functional backward rules, one registry (registry.py), grouped by family in modules."""
+
 import importlib
 
 from .registry import RULES, lookup, register

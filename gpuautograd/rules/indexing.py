@@ -4,6 +4,7 @@ scatter and scatter_add.
 The gradient of a read at indices is an accumulating write at the same indices into zeros, so
 repeated indices sum their contributions (index_put with accumulate=True, scatter_add).
 """
+
 from __future__ import annotations
 
 from .registry import register

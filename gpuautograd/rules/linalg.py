@@ -5,6 +5,7 @@ Real dtypes only: the formulas in derivatives.yaml conjugate the other factor, w
 identity for real tensors. A complex product is refused with a clear error rather than given a
 wrong gradient. (torch.matmul has no node of its own: it decomposes into View/Mm/Bmm/UnsafeView.)
 """
+
 from __future__ import annotations
 
 from .registry import register

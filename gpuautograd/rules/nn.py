@@ -4,6 +4,7 @@ Most are one extern op (the aten backward kernel, see ir/extern_ops.py) with the
 from which edges need a gradient. Max pooling is a scatter-add of the gradient into the saved
 argmax positions, plain IR that fuses, so it needs no library call.
 """
+
 from __future__ import annotations
 
 from ..ir.extern_ops import emit_optional  # the import also registers the extern ops used here
@@ -60,8 +61,13 @@ def _batch_norm(b, node, grads, *, eps: str, train: bool):
         return [None] * node.num_outputs
     stats = [_saved_or_none(node, n) for n in ("weight", "running_mean", "running_var", "result1", "result2")]
     outs = emit_optional(
-        b, "batch_norm_backward", [grad, node.saved("input")], stats,
-        train=train, eps=node.saved(eps), output_mask=_mask(node, 3),
+        b,
+        "batch_norm_backward",
+        [grad, node.saved("input")],
+        stats,
+        train=train,
+        eps=node.saved(eps),
+        output_mask=_mask(node, 3),
     )
     return _masked(node, outs)
 
@@ -185,7 +191,12 @@ def _attention(b, node, grads, op: str, fixed: tuple, optional: tuple, attrs: tu
 def sdpa_flash_cpu_backward(b, node, grads):
     # query, key, value: _scaled_dot_product_flash_attention_for_cpu_backward(grad, query, key, value, output, logsumexp, dropout_p, is_causal, attn_mask, scale)
     return _attention(
-        b, node, grads, "sdpa_flash_cpu_backward", ("query", "key", "value", "output", "logsumexp"), ("attn_mask",),
+        b,
+        node,
+        grads,
+        "sdpa_flash_cpu_backward",
+        ("query", "key", "value", "output", "logsumexp"),
+        ("attn_mask",),
         ("dropout_p", "is_causal", "scale"),
     )
 
@@ -194,9 +205,14 @@ def sdpa_flash_cpu_backward(b, node, grads):
 def sdpa_efficient_backward(b, node, grads):
     # query, key, value, attn_bias: _scaled_dot_product_efficient_attention_backward(grad, query, key, value, attn_bias, output, log_sumexp, philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal, scale)
     return _attention(
-        b, node, grads, "sdpa_efficient_backward",
-        ("query", "key", "value", "output", "log_sumexp", "philox_seed", "philox_offset"), ("attn_bias",),
-        ("dropout_p", "grad_input_mask", "is_causal", "scale"), mask_count=4,
+        b,
+        node,
+        grads,
+        "sdpa_efficient_backward",
+        ("query", "key", "value", "output", "log_sumexp", "philox_seed", "philox_offset"),
+        ("attn_bias",),
+        ("dropout_p", "grad_input_mask", "is_causal", "scale"),
+        mask_count=4,
     )
 
 
@@ -204,8 +220,12 @@ def sdpa_efficient_backward(b, node, grads):
 def sdpa_flash_backward(b, node, grads):
     # query, key, value: _scaled_dot_product_flash_attention_backward(grad, query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, scale)
     return _attention(
-        b, node, grads, "sdpa_flash_backward",
-        ("query", "key", "value", "output", "logsumexp", "rng_state", "unused"), ("cum_seq_q", "cum_seq_k"),
+        b,
+        node,
+        grads,
+        "sdpa_flash_backward",
+        ("query", "key", "value", "output", "logsumexp", "rng_state", "unused"),
+        ("cum_seq_q", "cum_seq_k"),
         ("max_q", "max_k", "dropout_p", "is_causal", "scale"),
     )
 
@@ -214,7 +234,11 @@ def sdpa_flash_backward(b, node, grads):
 def sdpa_cudnn_backward(b, node, grads):
     # query, key, value: _scaled_dot_product_cudnn_attention_backward(grad, query, key, value, output, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale)
     return _attention(
-        b, node, grads, "sdpa_cudnn_backward",
-        ("query", "key", "value", "output", "logsumexp", "philox_seed", "philox_offset"), ("attn_bias", "cum_seq_q", "cum_seq_k"),
+        b,
+        node,
+        grads,
+        "sdpa_cudnn_backward",
+        ("query", "key", "value", "output", "logsumexp", "philox_seed", "philox_offset"),
+        ("attn_bias", "cum_seq_q", "cum_seq_k"),
         ("max_q", "max_k", "dropout_p", "is_causal", "scale"),
     )

@@ -1,5 +1,6 @@
 """Backward rules of layer norm, softmax, log_softmax and the NLL loss, written with pointwise ops,
 reductions and a scatter, so that fusion sees (and can fuse) every step."""
+
 from __future__ import annotations
 
 from .pointwise import opmath

@@ -3,6 +3,7 @@
 Each rule returns one gradient per edge, or None where the edge needs none. Broadcast gradients
 are left at the broadcast shape: the driver sums them back to each input's shape and casts them.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """Backward rules of reductions: sum, mean, and the value-selecting max / min / amax / amin."""
+
 from __future__ import annotations
 
 import torch

@@ -6,9 +6,10 @@ It returns one Value or None per `next_functions` edge; None means "no gradient"
 materialized zero). The driver, not the rule, sums gradients that meet at a node and casts or
 reduces each result to what the next node expects (validate_outputs).
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 RuleFn = Callable[..., Sequence]
 

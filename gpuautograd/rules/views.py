@@ -2,9 +2,11 @@
 
 Every rule here only moves gradient elements around (or sums them, for expand); none does math.
 """
+
 from __future__ import annotations
 
 from .registry import register
+
 
 def norm_dim(dim: int, ndim: int) -> int:
     """A saved dim (possibly negative) -> a dim in [0, ndim); ndim 0 acts like 1."""
@@ -57,8 +59,12 @@ def expand_backward(b, node, grads):
 
 
 @register(
-    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
-    "SqueezeBackward3", "SqueezeBackward4", "SqueezeBackward5",
+    "SqueezeBackward0",
+    "SqueezeBackward1",
+    "SqueezeBackward2",
+    "SqueezeBackward3",
+    "SqueezeBackward4",
+    "SqueezeBackward5",
 )
 def squeeze_backward(b, node, grads):
     # self: unsqueeze_to(grad, [dim(s),] self.sym_sizes()); squeeze only drops size-1 dims, so

@@ -1,5 +1,6 @@
 """Where gradients land: AccumulateGrad's semantics for leaves and retain_grad()'s for non-leaves,
 as torch implements them (torch/csrc/autograd/functions/accumulate_grad.h)."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ The key is everything a program depends on, as the walk built it. On a miss, the
 of the same graph structure (node types and edges) is compared with the new one, so `stats()`
 can name the guard that failed ("node 3 (MmBackward0) saved self: f32[8, 16] -> f32[4, 16]").
 """
+
 from __future__ import annotations
 
 import collections
@@ -29,7 +30,7 @@ class Entry:
 
 class PlanCache:
     def __init__(self) -> None:
-        self.entries: "collections.OrderedDict[Any, Entry]" = collections.OrderedDict()
+        self.entries: collections.OrderedDict[Any, Entry] = collections.OrderedDict()
         self.by_structure: dict[Any, Any] = {}  # structure -> last full key seen
         self.captures_per_structure: collections.Counter = collections.Counter()
 

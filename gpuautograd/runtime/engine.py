@@ -3,6 +3,7 @@
 Cache hit path: walk (builds the key and collects the saved tensors) -> dict lookup -> bind the
 argument list -> release what eager releases -> run -> accumulate. No rule runs on a hit.
 """
+
 from __future__ import annotations
 
 import gc
@@ -129,7 +130,13 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
     if flags.debug_level() >= 1:
         print(f"[gpuautograd] cache miss: {reason}")
     if count > flags.recapture_limit():
-        entry = Entry(None, None, fallback_reason=f"recaptured {count - 1} times for one graph structure (last: {reason}); set GPUAUTOGRAD_RECAPTURE_LIMIT to allow more")
+        entry = Entry(
+            None,
+            None,
+            fallback_reason=(
+                f"recaptured {count - 1} times for one graph structure (last: {reason}); set GPUAUTOGRAD_RECAPTURE_LIMIT to allow more"
+            ),
+        )
         CACHE.put(key, entry, flags.cache_size())
         return entry
     st.captures += 1

@@ -4,6 +4,7 @@ The program is turned into the source of one flat Python function (a trace you c
 each op's reference implementation bound as a global. Values are deleted after their last use,
 so saved activations and intermediates are freed as the backward goes, as in eager.
 """
+
 from __future__ import annotations
 
 import functools
@@ -62,7 +63,11 @@ def compile_reference(program: Program) -> CompiledProgram:
         many = len(outs) > 1 or instr.op == "opaque"
         lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
         lines.append(f"    {lhs} = {fn_name}({', '.join(args)})")
-        dead = [_local(x) for x in {id(x): x for x in instr.inputs if isinstance(x, Value)}.values() if last_use[id(x)] == k and id(x) not in keep]
+        dead = [
+            _local(x)
+            for x in {id(x): x for x in instr.inputs if isinstance(x, Value)}.values()
+            if last_use[id(x)] == k and id(x) not in keep
+        ]
         dead += [_local(o) for o in instr.outputs if o is not None and id(o) not in last_use and id(o) not in keep]
         if dead:
             lines.append(f"    del {', '.join(dead)}")

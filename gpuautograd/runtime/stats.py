@@ -1,4 +1,5 @@
 """Counters that `gpuautograd.stats()` reports."""
+
 from __future__ import annotations
 
 import collections

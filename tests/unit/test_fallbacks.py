@@ -1,4 +1,5 @@
 """What can't be honored functionally runs eagerly, loudly; unknown nodes run as opaque calls."""
+
 import warnings
 
 import pytest

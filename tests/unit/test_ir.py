@@ -1,4 +1,5 @@
 """The IR: builder type inference, printer (golden), verifier errors, and the op table."""
+
 import pytest
 import torch
 

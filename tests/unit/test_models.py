@@ -1,5 +1,6 @@
 """End to end: train the model suite for a few steps with gpuautograd and with eager autograd,
 side by side from the same weights and batches, and compare every gradient and parameter."""
+
 import copy
 
 import pytest

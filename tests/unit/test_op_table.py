@@ -5,6 +5,7 @@ one instruction at a time; each result must have exactly the shape and dtype the
 recorded at capture. Every op of the table must be exercised here, except the CUDA-only ones,
 whose inference is checked against torch's meta kernels in the nn rule tests.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ def zoo():
     yield "cat", torch.cat([x, y * 2], 1).tanh().sum() + torch.stack([x, y]).sigmoid().sum()
     yield "bmm", torch.bmm(_leaf(2, 3, 4), _leaf(2, 4, 5)).sum()
     yield "opaque", Cube.apply(x).sum()
-    yield "mask", x.masked_fill(x > 0, 0.0).erf().sum() + (x / y).sum() + (x**y.abs()).sum()
+    yield "mask", x.masked_fill(x > 0, 0.0).erf().sum() + (x / y).sum() + (x ** y.abs()).sum()
     yield "nll", F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 3, 6, 1, 1]), ignore_index=1, weight=torch.rand(7, dtype=torch.float64))
 
 
@@ -65,7 +66,7 @@ def run_checked(loss):
     w, key, roots, inputs = engine.prepare([loss], grads, [], True, None)
     entry = engine.build_entry(w, grads, roots, inputs, True)
     env = {}
-    for (v, spec), (kind, i) in zip(entry.program.inputs, entry.arg_plan):
+    for (v, _spec), (kind, i) in zip(entry.program.inputs, entry.arg_plan):
         env[id(v)] = w.saved[i] if kind == "saved" else grads[i] if kind == "grad" else w.nodes[i]
     used = set()
     with torch.no_grad():

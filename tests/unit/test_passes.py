@@ -1,4 +1,5 @@
 """Passes: each is a pure Program -> Program rewrite that keeps the program's meaning."""
+
 import torch
 
 from gpuautograd.ir.builder import Builder

@@ -1,5 +1,6 @@
 """Gradients of indexing nodes against torch.autograd. Indices repeat on purpose: the gradient of
 a repeated read must accumulate every contribution, not keep the last one."""
+
 from __future__ import annotations
 
 import pytest
@@ -48,12 +49,16 @@ CASES = [
     Case("index_gap_nc", "IndexBackward0", lambda x, i: x[:, i], make(leaf(7, 13, nc=True), fixed(idx(12, -1, 4, 4)))),
     Case("index_2d_index", "IndexBackward0", lambda x, i: x[i], make(leaf(7, 13), fixed(rand_index(7, 5, 9)))),
     Case(
-        "index_two_adjacent", "IndexBackward0", lambda x, i, j: x[:, i, j],
+        "index_two_adjacent",
+        "IndexBackward0",
+        lambda x, i, j: x[:, i, j],
         make(leaf(3, 7, 13), fixed(idx(1, 1, 6)), fixed(idx(2, 2, 12))),
     ),
     Case("index_two_split", "IndexBackward0", lambda x, i, j: x[i, :, j], make(leaf(3, 7, 13), fixed(idx(2, 0, 2)), fixed(idx(-1, 5, -1)))),
     Case(
-        "index_broadcast", "IndexBackward0", lambda x, i, j: x[i, j],
+        "index_broadcast",
+        "IndexBackward0",
+        lambda x, i, j: x[i, j],
         make(leaf(7, 13, nc=True), fixed(rand_index(7, 4, 1)), fixed(rand_index(13, 1, 6))),
     ),
     Case("index_ellipsis", "IndexBackward0", lambda x, i: x[..., i], make(leaf(3, 7, 13), fixed(rand_index(13, 40)))),
@@ -68,29 +73,41 @@ CASES = [
     # index_select: index_add into zeros
     Case("index_select", "IndexSelectBackward0", lambda x, i: x.index_select(0, i), make(leaf(7, 13), fixed(idx(6, 0, 6, 6, 2)))),
     Case(
-        "index_select_neg_nc", "IndexSelectBackward0", lambda x, i: x.index_select(-1, i),
+        "index_select_neg_nc",
+        "IndexSelectBackward0",
+        lambda x, i: x.index_select(-1, i),
         make(leaf(3, 7, 13, nc=True), fixed(rand_index(13, 30))),
     ),
     Case(
-        "index_select_0d_index", "IndexSelectBackward0", lambda x, i: x.index_select(1, i),
+        "index_select_0d_index",
+        "IndexSelectBackward0",
+        lambda x, i: x.index_select(1, i),
         make(leaf(7, 13), fixed(torch.tensor(5))),
     ),
     Case("index_select_0d_self", "IndexSelectBackward0", lambda x, i: x.index_select(0, i), make(leaf(), fixed(idx(0)))),
     # scatter family
     Case(
-        "scatter_add", "ScatterAddBackward0", lambda x, i, s: x.scatter_add(1, i, s),
+        "scatter_add",
+        "ScatterAddBackward0",
+        lambda x, i, s: x.scatter_add(1, i, s),
         make(leaf(7, 13), fixed(rand_index(13, 7, 20)), leaf(7, 20)),
     ),
     Case(
-        "scatter_add_nc", "ScatterAddBackward0", lambda x, i, s: x.scatter_add(-2, i, s),
+        "scatter_add_nc",
+        "ScatterAddBackward0",
+        lambda x, i, s: x.scatter_add(-2, i, s),
         make(leaf(7, 13, nc=True), fixed(rand_index(7, 9, 13)), leaf(9, 13, nc=True)),
     ),
     Case(
-        "scatter_add_src_only", "ScatterAddBackward0", lambda x, i, s: x.scatter_add(0, i, s),
+        "scatter_add_src_only",
+        "ScatterAddBackward0",
+        lambda x, i, s: x.scatter_add(0, i, s),
         make(const(7, 13), fixed(rand_index(7, 3, 13)), leaf(3, 13)),
     ),
     Case(
-        "scatter_src", "ScatterBackward0", lambda x, i, s: x.scatter(1, i, s),
+        "scatter_src",
+        "ScatterBackward0",
+        lambda x, i, s: x.scatter(1, i, s),
         make(leaf(7, 13), fixed(rand_index(13, 7, 4)), leaf(7, 4)),
     ),
     Case("scatter_value", "ScatterBackward1", lambda x, i: x.scatter(0, i, 2.5), make(leaf(7, 13, nc=True), fixed(rand_index(7, 3, 13)))),

@@ -1,5 +1,6 @@
 """Gradients of matrix and vector product nodes against torch.autograd (mm, addmm, bmm, baddbmm,
 addbmm, mv, addmv, addr, dot, vdot), and the view compositions torch.matmul and F.linear become."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@ embedding and scaled dot product attention. Nodes that only exist on CUDA (fused
 cudnn/miopen batch norm) are checked on meta tensors (the real autograd node, our rule and extern
 op, shapes and dtypes against torch's meta backward) and, for batch norm, numerically on a node
 built by hand from CPU values."""
+
 from __future__ import annotations
 
 import pytest
@@ -120,9 +121,13 @@ def test_native_batch_norm_noncontiguous():
 
 
 LEGIT = {
-    "NativeBatchNormLegitBackward0": lambda x, w, b: aten._native_batch_norm_legit(x, w, b, frozen(5), frozen(5).abs() + 1, True, 0.1, 1e-5)[0],
+    "NativeBatchNormLegitBackward0": lambda x, w, b: aten._native_batch_norm_legit(
+        x, w, b, frozen(5), frozen(5).abs() + 1, True, 0.1, 1e-5
+    )[0],
     "NativeBatchNormLegitBackward1": lambda x, w, b: aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, 1e-5)[0],
-    "NativeBatchNormLegitNoTrainingBackward0": lambda x, w, b: aten._native_batch_norm_legit_no_training(x, w, b, frozen(5), frozen(5).abs() + 1, 0.1, 1e-5)[0],
+    "NativeBatchNormLegitNoTrainingBackward0": lambda x, w, b: aten._native_batch_norm_legit_no_training(
+        x, w, b, frozen(5), frozen(5).abs() + 1, 0.1, 1e-5
+    )[0],
 }
 
 
@@ -159,8 +164,16 @@ def test_gpu_batch_norm_rule_numerically(name, training):
     out, mean, invstd = torch.native_batch_norm(x, w, bias, running_mean.clone(), running_var.clone(), training, 0.1, 1e-4)
     grad = torch.randn_like(out)
     expected = torch.autograd.grad(out, [x, w, bias], grad)
-    saved = dict(input=x.detach(), weight=w.detach(), running_mean=running_mean, running_var=running_var,
-                 result1=mean.detach(), result2=invstd.detach(), epsilon=1e-4, training=training)
+    saved = dict(
+        input=x.detach(),
+        weight=w.detach(),
+        running_mean=running_mean,
+        running_var=running_var,
+        result1=mean.detach(),
+        result2=invstd.detach(),
+        epsilon=1e-4,
+        training=training,
+    )
     if name.startswith("Cudnn"):
         saved["result3"] = torch.empty(0, dtype=torch.uint8)  # cudnn's reserve space
     types = [TensorType.of(t) for t in (x, w, bias)]
@@ -182,7 +195,11 @@ POOL_CASES = {
     "adaptive_max1d": ("AdaptiveMaxPool2DBackward0", (2, 3, 13), lambda x: F.adaptive_max_pool1d(x, 5)),
     "adaptive_max3d": ("AdaptiveMaxPool3DBackward0", (1, 2, 5, 6, 7), lambda x: F.adaptive_max_pool3d(x, (2, 3, 4))),
     "avg2d_k3_s2_p1": ("AvgPool2DBackward0", (2, 3, 9, 11), lambda x: F.avg_pool2d(x, 3, 2, 1)),
-    "avg2d_no_pad_count_ceil": ("AvgPool2DBackward0", (2, 3, 9, 11), lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False)),
+    "avg2d_no_pad_count_ceil": (
+        "AvgPool2DBackward0",
+        (2, 3, 9, 11),
+        lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+    ),
     "avg2d_divisor": ("AvgPool2DBackward0", (1, 3, 7, 13), lambda x: F.avg_pool2d(x, (2, 3), divisor_override=5)),
     "avg1d": ("AvgPool2DBackward0", (2, 3, 13), lambda x: F.avg_pool1d(x, 3, 2)),
     "adaptive_avg2d": ("AdaptiveAvgPool2DBackward0", (2, 3, 9, 11), lambda x: F.adaptive_avg_pool2d(x, (4, 5))),
@@ -224,7 +241,7 @@ def test_embedding(index_shape, scale_grad_by_freq, padding_idx, dtype):
 def test_embedding_sparse_is_refused_by_the_rule():
     weight = rand(5, 3)
     out = F.embedding(torch.tensor([1, 2]), weight, sparse=True)
-    saved = {n[len("_saved_"):]: getattr(out.grad_fn, n) for n in dir(out.grad_fn) if n.startswith("_saved_")}
+    saved = {n[len("_saved_") :]: getattr(out.grad_fn, n) for n in dir(out.grad_fn) if n.startswith("_saved_")}
     with pytest.raises(NotImplementedError, match="sparse"):
         run_rule("EmbeddingBackward0", saved, [torch.randn(2, 3, dtype=torch.float64)], [TensorType.of(weight)], [True])
 

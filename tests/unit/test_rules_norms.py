@@ -1,6 +1,7 @@
 """Gradients of layer norm, softmax, log_softmax and the NLL loss against torch.autograd, and of
 the compositions models use: cross_entropy (LogSoftmax + NllLoss) and an RMSNorm written as
 pointwise ops and a mean, which must need no rule of its own."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,20 +31,43 @@ def rmsnorm(x, w, eps=1e-6):
 
 # bfloat16 layer norm is checked against float64 (test_layer_norm_bfloat16_matches_float64_truth)
 LAYER_NORM = [
-    Case("layer_norm_affine", "NativeLayerNormBackward0", lambda x, w, b: F.layer_norm(x, (65,), w, b, 1e-5),
-         lambda d: (rand(33, 65, dtype=d, noncontiguous=True), rand(65, dtype=d), rand(65, dtype=d))),
-    Case("layer_norm_3d", "NativeLayerNormBackward0", lambda x, w, b: F.layer_norm(x, (13,), w, b),
-         lambda d: (rand(3, 7, 13, dtype=d), rand(13, dtype=d), rand(13, dtype=d))),
-    Case("layer_norm_two_dims", "NativeLayerNormBackward0", lambda x, w, b: F.layer_norm(x, (7, 13), w, b),
-         lambda d: (rand(3, 7, 13, dtype=d, noncontiguous=True), rand(7, 13, dtype=d), rand(7, 13, dtype=d))),
-    Case("layer_norm_no_affine", "NativeLayerNormBackward0", lambda x: F.layer_norm(x, (13,)),
-         lambda d: (rand(7, 13, dtype=d),)),
-    Case("layer_norm_weight_only", "NativeLayerNormBackward0", lambda x, w: F.layer_norm(x, (13,), w, None),
-         lambda d: (rand(7, 13, dtype=d), rand(13, dtype=d))),
-    Case("layer_norm_frozen_weight", "NativeLayerNormBackward0", lambda x, w, b: F.layer_norm(x, (13,), w, b),
-         lambda d: (rand(7, 13, dtype=d), const(13, dtype=d), rand(13, dtype=d))),
-    Case("layer_norm_params_only", "NativeLayerNormBackward0", lambda w, b, x: F.layer_norm(x, (13,), w, b),
-         lambda d: (rand(13, dtype=d), rand(13, dtype=d), const(7, 13, dtype=d))),
+    Case(
+        "layer_norm_affine",
+        "NativeLayerNormBackward0",
+        lambda x, w, b: F.layer_norm(x, (65,), w, b, 1e-5),
+        lambda d: (rand(33, 65, dtype=d, noncontiguous=True), rand(65, dtype=d), rand(65, dtype=d)),
+    ),
+    Case(
+        "layer_norm_3d",
+        "NativeLayerNormBackward0",
+        lambda x, w, b: F.layer_norm(x, (13,), w, b),
+        lambda d: (rand(3, 7, 13, dtype=d), rand(13, dtype=d), rand(13, dtype=d)),
+    ),
+    Case(
+        "layer_norm_two_dims",
+        "NativeLayerNormBackward0",
+        lambda x, w, b: F.layer_norm(x, (7, 13), w, b),
+        lambda d: (rand(3, 7, 13, dtype=d, noncontiguous=True), rand(7, 13, dtype=d), rand(7, 13, dtype=d)),
+    ),
+    Case("layer_norm_no_affine", "NativeLayerNormBackward0", lambda x: F.layer_norm(x, (13,)), lambda d: (rand(7, 13, dtype=d),)),
+    Case(
+        "layer_norm_weight_only",
+        "NativeLayerNormBackward0",
+        lambda x, w: F.layer_norm(x, (13,), w, None),
+        lambda d: (rand(7, 13, dtype=d), rand(13, dtype=d)),
+    ),
+    Case(
+        "layer_norm_frozen_weight",
+        "NativeLayerNormBackward0",
+        lambda x, w, b: F.layer_norm(x, (13,), w, b),
+        lambda d: (rand(7, 13, dtype=d), const(13, dtype=d), rand(13, dtype=d)),
+    ),
+    Case(
+        "layer_norm_params_only",
+        "NativeLayerNormBackward0",
+        lambda w, b, x: F.layer_norm(x, (13,), w, b),
+        lambda d: (rand(13, dtype=d), rand(13, dtype=d), const(7, 13, dtype=d)),
+    ),
 ]
 
 LAYER_NORM_FLOAT = [Case(c.id, c.node, c.fn, c.make, (torch.float64, torch.float32)) for c in LAYER_NORM]
@@ -53,49 +77,94 @@ SOFTMAX = [
     Case("softmax_dim0", "SoftmaxBackward0", lambda x: x.softmax(0), lambda d: (rand(7, 13, dtype=d),)),
     Case("softmax_3d_middle", "SoftmaxBackward0", lambda x: F.softmax(x, dim=1), lambda d: (rand(3, 7, 13, dtype=d),)),
     Case("softmax_of_0d", "SoftmaxBackward0", lambda x: x.softmax(0), lambda d: (torch.randn((), dtype=d).requires_grad_(),)),
-    Case("log_softmax_last", "LogSoftmaxBackward0", lambda x: x.log_softmax(-1),
-         lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),
+    Case("log_softmax_last", "LogSoftmaxBackward0", lambda x: x.log_softmax(-1), lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),
     Case("log_softmax_dim0", "LogSoftmaxBackward0", lambda x: x.log_softmax(0), lambda d: (rand(7, 13, dtype=d),)),
 ]
 
 NLL = [
-    Case("nll_mean", "NllLossBackward0", lambda x, t: F.nll_loss(x, t),
-         lambda d: (rand(33, 65, dtype=d, noncontiguous=True), targets((33,), 65))),
-    Case("nll_sum", "NllLossBackward0", lambda x, t: F.nll_loss(x, t, reduction="sum"),
-         lambda d: (rand(7, 13, dtype=d), targets((7,), 13))),
-    Case("nll_none", "NllLossBackward0", lambda x, t: F.nll_loss(x, t, reduction="none"),
-         lambda d: (rand(7, 13, dtype=d), targets((7,), 13))),
-    Case("nll_weight_mean", "NllLossBackward0", lambda x, t, w: F.nll_loss(x, t, weight=w),
-         lambda d: (rand(7, 13, dtype=d), targets((7,), 13), class_weights(13, d))),
-    Case("nll_weight_none", "NllLossBackward0", lambda x, t, w: F.nll_loss(x, t, weight=w, reduction="none"),
-         lambda d: (rand(7, 13, dtype=d), targets((7,), 13), class_weights(13, d))),
-    Case("nll_ignore_default", "NllLossBackward0", lambda x, t: F.nll_loss(x, t),
-         lambda d: (rand(7, 13, dtype=d), targets((7,), 13, ignore_index=-100))),
-    Case("nll_ignore_custom_weight_sum", "NllLossBackward0",
-         lambda x, t, w: F.nll_loss(x, t, weight=w, ignore_index=2, reduction="sum"),
-         lambda d: (rand(7, 13, dtype=d), targets((7,), 13, ignore_index=2), class_weights(13, d))),
-    Case("nll_all_ignored", "NllLossBackward0", lambda x, t: F.nll_loss(x, t),
-         lambda d: (rand(7, 13, dtype=d), targets((7,), 13, ignore_index=-100, every=1))),
-    Case("nll_unbatched", "NllLossBackward0", lambda x, t: F.nll_loss(x, t),
-         lambda d: (rand(13, dtype=d), targets((), 13))),
-    Case("nll_2d_mean", "NllLoss2DBackward0", lambda x, t: F.nll_loss(x, t),
-         lambda d: (rand(2, 5, 7, 3, dtype=d), targets((2, 7, 3), 5, ignore_index=-100))),
-    Case("nll_2d_none_weight", "NllLoss2DBackward0", lambda x, t, w: F.nll_loss(x, t, weight=w, reduction="none"),
-         lambda d: (rand(2, 5, 7, 3, dtype=d), targets((2, 7, 3), 5), class_weights(5, d))),
+    Case(
+        "nll_mean",
+        "NllLossBackward0",
+        lambda x, t: F.nll_loss(x, t),
+        lambda d: (rand(33, 65, dtype=d, noncontiguous=True), targets((33,), 65)),
+    ),
+    Case(
+        "nll_sum", "NllLossBackward0", lambda x, t: F.nll_loss(x, t, reduction="sum"), lambda d: (rand(7, 13, dtype=d), targets((7,), 13))
+    ),
+    Case(
+        "nll_none", "NllLossBackward0", lambda x, t: F.nll_loss(x, t, reduction="none"), lambda d: (rand(7, 13, dtype=d), targets((7,), 13))
+    ),
+    Case(
+        "nll_weight_mean",
+        "NllLossBackward0",
+        lambda x, t, w: F.nll_loss(x, t, weight=w),
+        lambda d: (rand(7, 13, dtype=d), targets((7,), 13), class_weights(13, d)),
+    ),
+    Case(
+        "nll_weight_none",
+        "NllLossBackward0",
+        lambda x, t, w: F.nll_loss(x, t, weight=w, reduction="none"),
+        lambda d: (rand(7, 13, dtype=d), targets((7,), 13), class_weights(13, d)),
+    ),
+    Case(
+        "nll_ignore_default",
+        "NllLossBackward0",
+        lambda x, t: F.nll_loss(x, t),
+        lambda d: (rand(7, 13, dtype=d), targets((7,), 13, ignore_index=-100)),
+    ),
+    Case(
+        "nll_ignore_custom_weight_sum",
+        "NllLossBackward0",
+        lambda x, t, w: F.nll_loss(x, t, weight=w, ignore_index=2, reduction="sum"),
+        lambda d: (rand(7, 13, dtype=d), targets((7,), 13, ignore_index=2), class_weights(13, d)),
+    ),
+    Case(
+        "nll_all_ignored",
+        "NllLossBackward0",
+        lambda x, t: F.nll_loss(x, t),
+        lambda d: (rand(7, 13, dtype=d), targets((7,), 13, ignore_index=-100, every=1)),
+    ),
+    Case("nll_unbatched", "NllLossBackward0", lambda x, t: F.nll_loss(x, t), lambda d: (rand(13, dtype=d), targets((), 13))),
+    Case(
+        "nll_2d_mean",
+        "NllLoss2DBackward0",
+        lambda x, t: F.nll_loss(x, t),
+        lambda d: (rand(2, 5, 7, 3, dtype=d), targets((2, 7, 3), 5, ignore_index=-100)),
+    ),
+    Case(
+        "nll_2d_none_weight",
+        "NllLoss2DBackward0",
+        lambda x, t, w: F.nll_loss(x, t, weight=w, reduction="none"),
+        lambda d: (rand(2, 5, 7, 3, dtype=d), targets((2, 7, 3), 5), class_weights(5, d)),
+    ),
 ]
 
 COMPOSITIONS = [
-    Case("cross_entropy", "NllLossBackward0", lambda x, t: F.cross_entropy(x, t),
-         lambda d: (rand(33, 65, dtype=d, noncontiguous=True), targets((33,), 65, ignore_index=-100))),
-    Case("cross_entropy_weight_sum", "NllLossBackward0",
-         lambda x, t, w: F.cross_entropy(x, t, weight=w, reduction="sum"),
-         lambda d: (rand(7, 13, dtype=d), targets((7,), 13), class_weights(13, d))),
-    Case("cross_entropy_4d", "NllLoss2DBackward0", lambda x, t: F.cross_entropy(x, t),
-         lambda d: (rand(2, 5, 7, 3, dtype=d), targets((2, 7, 3), 5))),
-    Case("cross_entropy_3d", "NllLoss2DBackward0", lambda x, t: F.cross_entropy(x, t, reduction="none"),
-         lambda d: (rand(3, 5, 7, dtype=d), targets((3, 7), 5))),
-    Case("rmsnorm", "RsqrtBackward0", rmsnorm,
-         lambda d: (rand(33, 65, dtype=d, noncontiguous=True), rand(65, dtype=d))),
+    Case(
+        "cross_entropy",
+        "NllLossBackward0",
+        lambda x, t: F.cross_entropy(x, t),
+        lambda d: (rand(33, 65, dtype=d, noncontiguous=True), targets((33,), 65, ignore_index=-100)),
+    ),
+    Case(
+        "cross_entropy_weight_sum",
+        "NllLossBackward0",
+        lambda x, t, w: F.cross_entropy(x, t, weight=w, reduction="sum"),
+        lambda d: (rand(7, 13, dtype=d), targets((7,), 13), class_weights(13, d)),
+    ),
+    Case(
+        "cross_entropy_4d",
+        "NllLoss2DBackward0",
+        lambda x, t: F.cross_entropy(x, t),
+        lambda d: (rand(2, 5, 7, 3, dtype=d), targets((2, 7, 3), 5)),
+    ),
+    Case(
+        "cross_entropy_3d",
+        "NllLoss2DBackward0",
+        lambda x, t: F.cross_entropy(x, t, reduction="none"),
+        lambda d: (rand(3, 5, 7, dtype=d), targets((3, 7), 5)),
+    ),
+    Case("rmsnorm", "RsqrtBackward0", rmsnorm, lambda d: (rand(33, 65, dtype=d, noncontiguous=True), rand(65, dtype=d))),
     Case("rmsnorm_3d", "RsqrtBackward0", rmsnorm, lambda d: (rand(3, 7, 13, dtype=d), positive(13, dtype=d))),
 ]
 
@@ -137,7 +206,11 @@ def test_rmsnorm_needs_no_rule_of_its_own(dtype):
     report = gpuautograd.explain([out], [torch.ones_like(out)])
     assert not report.opaque_nodes
     assert set(report.node_names) <= {
-        "MulBackward0", "RsqrtBackward0", "AddBackward0", "MeanBackward1", "PowBackward0",
+        "MulBackward0",
+        "RsqrtBackward0",
+        "AddBackward0",
+        "MeanBackward1",
+        "PowBackward0",
         "torch::autograd::AccumulateGrad",
     }
 

@@ -1,5 +1,6 @@
 """Gradients of reduction nodes against torch.autograd: sum, mean, max / min (with indices, full,
 amax / amin), including ties, which torch splits evenly for the full and amax forms."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,19 +22,24 @@ CASES = [
     Case("sum_dtype", "SumBackward1", lambda x: x.sum(0, dtype=torch.float64), lambda d: (rand(7, 13, dtype=d),)),
     Case("mean_all", "MeanBackward0", torch.mean, lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),
     Case("mean_dim", "MeanBackward1", lambda x: x.mean(0), lambda d: (rand(7, 13, dtype=d, noncontiguous=True),)),
-    Case("mean_dims_3d_keepdim", "MeanBackward1", lambda x: x.mean((-1, 0), keepdim=True),
-         lambda d: (rand(3, 7, 13, dtype=d),)),
+    Case("mean_dims_3d_keepdim", "MeanBackward1", lambda x: x.mean((-1, 0), keepdim=True), lambda d: (rand(3, 7, 13, dtype=d),)),
     Case("mean_dim_empty", "MeanBackward1", lambda x: x.mean(dim=[]), lambda d: (rand(7, 13, dtype=d),)),
     Case("max_dim", "MaxBackward0", lambda x: x.max(1)[0], lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),
     Case("max_dim_keepdim", "MaxBackward0", lambda x: x.max(0, keepdim=True)[0], lambda d: (rand(7, 13, dtype=d),)),
     Case("max_dim_3d_ties", "MaxBackward0", lambda x: x.max(-2).values, lambda d: (integers(3, 7, 13, dtype=d),)),
     Case("max_full", "MaxBackward1", torch.max, lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),
     Case("max_full_ties", "MaxBackward1", torch.max, lambda d: (integers(7, 13, dtype=d, high=1),)),
-    Case("max_full_nan", "MaxBackward1", lambda x: (x + torch.tensor([0.0, float("nan")] * 6 + [0.0], dtype=x.dtype)).max(),
-         lambda d: (rand(7, 13, dtype=d),), F64),
+    Case(
+        "max_full_nan",
+        "MaxBackward1",
+        lambda x: (x + torch.tensor([0.0, float("nan")] * 6 + [0.0], dtype=x.dtype)).max(),
+        lambda d: (rand(7, 13, dtype=d),),
+        F64,
+    ),
     Case("amax_dim", "AmaxBackward0", lambda x: x.amax(1), lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),
-    Case("amax_dims_ties_keepdim", "AmaxBackward0", lambda x: x.amax((0, 2), keepdim=True),
-         lambda d: (integers(3, 7, 13, dtype=d, high=1),)),
+    Case(
+        "amax_dims_ties_keepdim", "AmaxBackward0", lambda x: x.amax((0, 2), keepdim=True), lambda d: (integers(3, 7, 13, dtype=d, high=1),)
+    ),
     Case("amax_dims_ties", "AmaxBackward0", lambda x: x.amax((0, -1)), lambda d: (integers(3, 7, 13, dtype=d, high=1),)),
     Case("amax_all", "AmaxBackward0", lambda x: x.amax(dim=()), lambda d: (integers(7, 13, dtype=d),)),
     Case("min_dim", "MinBackward0", lambda x: x.min(0)[0], lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),

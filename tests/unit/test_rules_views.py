@@ -1,4 +1,5 @@
 """Gradients of layout (view) nodes against torch.autograd: one case per node and form of it."""
+
 from __future__ import annotations
 
 import pytest

@@ -29,14 +29,22 @@ def _sync(device):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default=None, help="gpuautograd backend (default: GPUAUTOGRAD_BACKEND or auto)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model, make_batch, loss_fn = make_gpt(device=device, batch=4, seq=32, d_model=64, n_layers=2)
+    model, _, loss_fn = make_gpt(device=device, batch=4, seq=32, d_model=64, n_layers=2)
     gen = torch.Generator().manual_seed(0)
+
+    def make_batch(g):
+        # A learnable language: each token is the previous one plus a per-sequence stride.
+        start = torch.randint(0, 96, (4, 1), generator=g)
+        stride = torch.randint(1, 4, (4, 1), generator=g)
+        seq = (start + stride * torch.arange(33)) % 96
+        return seq[:, :-1].to(device), seq[:, 1:].to(device)
+
     print(f"gpuautograd demo: tiny GPT ({sum(p.numel() for p in model.parameters()):,} parameters) on {device}")
 
     # 1. The first step's gradients against torch.autograd, on the very same graph.

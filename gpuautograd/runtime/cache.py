@@ -28,11 +28,23 @@ class Entry:
     fallback_reason: str | None = None  # set when this graph must run eagerly
 
 
+STRUCTURES_KEPT = 1024  # graph structures remembered for miss diagnosis and recapture counts
+
+
 class PlanCache:
     def __init__(self) -> None:
         self.entries: collections.OrderedDict[Any, Entry] = collections.OrderedDict()
-        self.by_structure: dict[Any, Any] = {}  # structure -> last full key seen
-        self.captures_per_structure: collections.Counter = collections.Counter()
+        # structure -> (last full key captured, captures so far); oldest structures are forgotten
+        self.structures: collections.OrderedDict[Any, tuple[Any, int]] = collections.OrderedDict()
+
+    def note_capture(self, structure, key) -> tuple[Any, int]:
+        """Record a capture of `key`; returns the previous key of that structure (or None) and the
+        number of captures of the structure, this one included."""
+        previous, count = self.structures.pop(structure, (None, 0))
+        self.structures[structure] = (key, count + 1)
+        while len(self.structures) > STRUCTURES_KEPT:
+            self.structures.popitem(last=False)
+        return previous, count + 1
 
     def get(self, key) -> Entry | None:
         entry = self.entries.get(key)
@@ -47,8 +59,7 @@ class PlanCache:
 
     def clear(self) -> None:
         self.entries.clear()
-        self.by_structure.clear()
-        self.captures_per_structure.clear()
+        self.structures.clear()
 
 
 def structure_of(key) -> tuple:

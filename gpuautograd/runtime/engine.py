@@ -14,7 +14,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from .. import flags
 from ..capture.lower import Request, lower
-from ..capture.walk import ACCUMULATE, CPP, PYTHON, release_saved, tensor_meta, walk
+from ..capture.walk import release_saved, tensor_meta, walk
 from ..ir.ops import get_op
 from ..ir.program import Program, Value
 from ..ir.types import TensorType
@@ -121,22 +121,16 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
 
 def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
     st = stats_module.STATS
-    structure = structure_of(key)
-    previous = CACHE.by_structure.get(structure)
+    previous, count = CACHE.note_capture(structure_of(key), key)
     reason = explain_miss(previous, key, w.classes) if previous is not None else "new graph structure"
-    st.cache_misses.append(reason)
-    count = CACHE.captures_per_structure[structure] = CACHE.captures_per_structure[structure] + 1
-    CACHE.by_structure[structure] = key
+    st.record_miss(reason)
     if flags.debug_level() >= 1:
         print(f"[gpuautograd] cache miss: {reason}")
     if count > flags.recapture_limit():
-        entry = Entry(
-            None,
-            None,
-            fallback_reason=(
-                f"recaptured {count - 1} times for one graph structure (last: {reason}); set GPUAUTOGRAD_RECAPTURE_LIMIT to allow more"
-            ),
+        limit_reason = (
+            f"recaptured {count - 1} times for one graph structure (last: {reason}); set GPUAUTOGRAD_RECAPTURE_LIMIT to allow more"
         )
+        entry = Entry(program=None, compiled=None, fallback_reason=limit_reason)
         CACHE.put(key, entry, flags.cache_size())
         return entry
     st.captures += 1
@@ -163,7 +157,7 @@ def unsupported_reason(w, grads) -> str | None:
 def build_entry(w, grads, root_edges, input_edges, accumulate: bool) -> Entry:
     reason = unsupported_reason(w, grads)
     if reason:
-        return Entry(None, None, fallback_reason=reason)
+        return Entry(program=None, compiled=None, fallback_reason=reason)
     request = Request(list(root_edges), [TensorType.of(g) for g in grads], list(input_edges), accumulate)
     program = lower(w, request)
     program = optimize(program, stats_module.STATS.pass_seconds)
@@ -210,4 +204,4 @@ def warn_fallback(reason: str) -> None:
         warnings.warn(f"gpuautograd falls back to eager torch.autograd: {reason}", RuntimeWarning, stacklevel=4)
 
 
-__all__ = ["run", "prepare", "Fallback", "CACHE", "build_entry", "warn_fallback", "ACCUMULATE", "CPP", "PYTHON"]
+__all__ = ["run", "prepare", "Fallback", "CACHE", "build_entry", "warn_fallback"]

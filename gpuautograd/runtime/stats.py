@@ -5,22 +5,30 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+MISS_REASONS_KEPT = 64
+
 
 @dataclass
 class Stats:
     captures: int = 0
     cache_hits: int = 0
-    cache_misses: list[str] = field(default_factory=list)  # the guard that failed, per miss
+    cache_misses: int = 0
+    miss_reasons: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MISS_REASONS_KEPT))
     fallbacks: collections.Counter = field(default_factory=collections.Counter)  # reason -> count
     pass_seconds: dict[str, float] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)  # fallback reasons already warned about
+
+    def record_miss(self, reason: str) -> None:
+        """`reason`: the guard that failed, in words."""
+        self.cache_misses += 1
+        self.miss_reasons.append(reason)
 
     def snapshot(self) -> dict:
         return {
             "captures": self.captures,
             "cache_hits": self.cache_hits,
-            "cache_misses": len(self.cache_misses),
-            "miss_reasons": list(self.cache_misses),
+            "cache_misses": self.cache_misses,
+            "miss_reasons": list(self.miss_reasons),  # the most recent ones
             "fallbacks": dict(self.fallbacks),
             "pass_seconds": dict(self.pass_seconds),
         }

@@ -92,7 +92,6 @@ def lower(w: Walk, req: Request) -> Program:
         g = _validate(b, g, _meta_type(metas[j][nr]), f"root {k}")
         pending.setdefault((j, nr), []).append(g)
 
-    slot_base = _saved_slot_bases(w)
     declined: list[str] = []
     sink_values: dict[tuple[int, int], Value | None] = {}
     for i in order:
@@ -108,7 +107,7 @@ def lower(w: Walk, req: Request) -> Program:
         needs = [e is not None and (e in targets or executes[e[0]]) for e in edges[i]]
         rule = lookup(info.name) if info.kind == CPP else None
         if rule is not None:
-            saved = _saved_values(b, w, i, slot_base[i])
+            saved = _saved_values(b, w, i, w.saved_start[i])
             view = NodeView(info.name, saved, [_meta_type(m) for m in metas[i]], out_types, needs)
             try:
                 outs = list(rule(b, view, grads))
@@ -143,25 +142,6 @@ def lower(w: Walk, req: Request) -> Program:
     b.program.executed = [i for i in order if executes[i]]
     b.program.declined = declined
     return b.program
-
-
-def _saved_slot_bases(w: Walk) -> list[int]:
-    """The index in `w.saved` of each node's first saved tensor (the walk appends them in order)."""
-    bases, count = [], 0
-    for i, info in enumerate(w.classes):
-        bases.append(count)
-        if info.kind == CPP:
-            for item in w.key[i][3]:
-                count += _tensor_count(item)
-    return bases
-
-
-def _tensor_count(item) -> int:
-    if isinstance(item, tuple) and len(item) == 4 and isinstance(item[0], torch.Size):
-        return 1
-    if isinstance(item, tuple) and len(item) == 2 and item[0] == "tensors":
-        return sum(m is not None for m in item[1])
-    return 0
 
 
 def _saved_values(b: Builder, w: Walk, i: int, base: int) -> dict:

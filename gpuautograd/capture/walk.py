@@ -92,6 +92,7 @@ class Walk:
     nodes: list = field(default_factory=list)
     classes: list = field(default_factory=list)
     saved: list = field(default_factory=list)  # every saved tensor, in walk order
+    saved_start: list = field(default_factory=list)  # per node: the index of its first saved tensor
     key: list = field(default_factory=list)
     retained: list = field(default_factory=list)  # (node index, output_nr, tensor) for retain_grad()
     index: dict = field(default_factory=dict)  # node object -> its position in `nodes`
@@ -101,15 +102,15 @@ class Walk:
 def walk(root_nodes) -> Walk:
     w = Walk()
     nodes, classes, saved, key, index = w.nodes, w.classes, w.saved, w.key, w.index
+    saved_start = w.saved_start
+    known = _CLASSES
     for n in root_nodes:
         if n not in index:
             index[n] = len(nodes)
             nodes.append(n)
-    i = 0
-    while i < len(nodes):
-        node = nodes[i]
-        i += 1
-        info = node_class(node)
+    for node in nodes:  # grows while we iterate: breadth-first discovery order
+        cls = type(node)
+        info = known.get(cls) or node_class(node)
         classes.append(info)
         edges = []
         for nxt, nr in node.next_functions:
@@ -121,19 +122,26 @@ def walk(root_nodes) -> Walk:
                 j = index[nxt] = len(nodes)
                 nodes.append(nxt)
             edges.append((j, nr))
-        metas = tuple((tuple(m.shape), m.dtype, m.device) for m in node._input_metadata)
-        if info.kind == CPP:
+        ims = node._input_metadata
+        if len(ims) == 1:
+            m = ims[0]
+            metas = ((tuple(m.shape), m.dtype, m.device),)
+        else:
+            metas = tuple([(tuple(m.shape), m.dtype, m.device) for m in ims])
+        kind = info.kind
+        saved_start.append(len(saved))
+        if kind is CPP:
             extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
-        elif info.kind == ACCUMULATE:
+        elif kind is ACCUMULATE:
             var = node.variable
             if var._backward_hooks:
                 w.hook_reason = "a hook is registered on a leaf tensor"
-            elif getattr(var, "_post_accumulate_grad_hooks", None):
+            elif var._post_accumulate_grad_hooks:
                 w.hook_reason = "a post-accumulate-grad hook is registered on a leaf tensor"
-            extra = tensor_meta(var)
+            extra = (var.shape, var.stride(), var.dtype, var.device)
         else:
             extra = tuple(node.needs_input_grad)
-        key.append((type(node), tuple(edges), metas, extra))
+        key.append((cls, tuple(edges), metas, extra))
     for t in hooks.tracked_tensors():
         j = index.get(t.grad_fn)
         if j is None:

@@ -5,7 +5,7 @@ import importlib
 from .registry import RULES, lookup, register
 
 # Each family module registers its rules on import.
-for _family in ("pointwise", "reductions", "norms", "views", "indexing", "linalg", "nn"):
+for _family in ("pointwise", "reductions", "norms", "views", "indexing", "linalg", "nn", "activations", "losses", "shape_ops", "math"):
     try:
         importlib.import_module(f"{__name__}.{_family}")
     except ModuleNotFoundError as e:

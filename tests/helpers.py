@@ -14,7 +14,8 @@ from gpuautograd.tolerances import TOLERANCES
 def assert_close(actual, expected, dtype=None, msg=""):
     dtype = dtype or expected.dtype
     rtol, atol = TOLERANCES[dtype]
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{msg}\n{m}")
+    # NaN where torch gives NaN is agreement; NaN anywhere else still fails
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{msg}\n{m}")
 
 
 def check_grads(fn, *inputs, grad_output=None, backend="reference", allow_opaque=False):
@@ -95,3 +96,36 @@ def check_case(case: Case, dtype: torch.dtype):
     assert case.node in graph_node_names(case.fn(*inputs)), f"{case.id} does not build {case.node}"
     grads = check_grads(case.fn, *inputs)
     assert any(g is not None for g in grads)
+
+
+# Makers for Case tables: each takes the dtype of the case and returns its inputs.
+def leaf(*shape, nc=False):
+    """A maker of one random leaf that requires grad (transposed storage when `nc`)."""
+    if not shape:
+        return lambda dtype: torch.randn((), dtype=dtype, requires_grad=True)
+    return lambda dtype: rand(*shape, dtype=dtype, noncontiguous=nc)
+
+
+def const(*shape):
+    """A maker of one random tensor that needs no gradient."""
+    return lambda dtype: torch.randn(*shape, dtype=dtype)
+
+
+def fixed(t):
+    """A maker that always gives `t` (an index, a mask, a constant)."""
+    return lambda dtype: t
+
+
+def make(*makers):
+    """A maker of several inputs."""
+    return lambda dtype: [m(dtype) for m in makers]
+
+
+def one(*shape, nc=False):
+    """A maker of one random leaf, as the only input."""
+    return make(leaf(*shape, nc=nc))
+
+
+def idx(*values):
+    """An int64 index tensor."""
+    return torch.tensor(values, dtype=torch.long)

@@ -18,7 +18,7 @@ from ..ir.program import InputSpec, OutputSpec, Program, Value
 from ..ir.types import NodeType, TensorType
 from ..rules.registry import lookup
 from .nodeview import NodeView, as_signed
-from .walk import ACCUMULATE, CPP, PYTHON, Walk, read_saved, saved_key
+from .walk import ACCUMULATE, CPP, Walk, read_saved, saved_key
 
 
 @dataclass
@@ -200,17 +200,22 @@ def _expandable(shape, to) -> bool:
 def _opaque(b, w, i, grads, in_types, out_types, needs):
     node, info = w.nodes[i], w.classes[i]
     node_value = b.input(NodeType(info.name), InputSpec("node", i, info.name))
-    # Undefined incoming gradients become zeros, as a custom Function's materialize_grads does.
-    args = [g if g is not None else b.zeros(t) for g, t in zip(grads, in_types)]
     python_positions = None
-    if info.kind == PYTHON:
+    if info.kind == CPP:
+        # A C++ node takes an undefined gradient as None, as the engine passes it.
+        present = tuple(g is not None for g in grads)
+        args = [g for g in grads if g is not None]
+    else:
+        # A custom Function gets zeros for undefined gradients, as its materialize_grads does.
+        present = (True,) * len(grads)
+        args = [g if g is not None else b.zeros(t) for g, t in zip(grads, in_types)]
         # A custom Function returns one gradient per forward argument; edges exist for tensor
         # arguments only. The arguments that need a gradient map, in order, onto the valid edges.
         wanted = [k for k, flag in enumerate(node.needs_input_grad) if flag]
         it = iter(wanted)
         python_positions = tuple(next(it, None) if e is not None else None for e in w.key[i][1])
     types = tuple(None if t is None or not needs[k] else (t.shape, t.dtype, t.device) for k, t in enumerate(out_types))
-    return b.emit("opaque", node_value, *args, out_types=types, python_positions=python_positions)
+    return b.emit("opaque", node_value, *args, present=present, out_types=types, python_positions=python_positions)
 
 
 __all__ = ["CaptureError", "IRError", "Request", "lower"]

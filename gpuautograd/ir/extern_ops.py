@@ -57,6 +57,25 @@ def _batch_norm_backward(grad, input, *optional, present, train, eps, output_mas
     )
 
 
+def _suggest_memory_format(x):
+    try:
+        from torch._prims_common import suggest_memory_format
+    except ImportError:  # pragma: no cover - older torch
+        return torch.contiguous_format
+    return suggest_memory_format(x)
+
+
+@register_op("group_norm_backward", EXTERN)
+def _group_norm_backward(grad, input, mean, rstd, *weight, present, N, C, HxW, group, output_mask):
+    """`weight` holds the weight when present. Like derivatives.yaml, grad and input are made
+    contiguous first (in the input's suggested memory format on the CPU)."""
+    (w,) = _fill_absent(weight, present)
+    fmt = _suggest_memory_format(input) if input.device.type == "cpu" else torch.contiguous_format
+    return aten.native_group_norm_backward(
+        grad.contiguous(memory_format=fmt), input.contiguous(memory_format=fmt), mean, rstd, w, N, C, HxW, group, list(output_mask)
+    )
+
+
 @register_op("avg_pool2d_backward", EXTERN)
 def _avg_pool2d_backward(grad, input, *, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
     return aten.avg_pool2d_backward(grad, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
@@ -146,3 +165,35 @@ def emit_optional(b, op: str, fixed: list, optional: list, **attrs):
     """Emit extern `op` with its fixed operands, then the present ones of `optional` (Value or None)."""
     operands, present = _optional(optional)
     return b.emit(op, *fixed, *operands, present=present, **attrs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Upsampling (shape_ops rules): every interpolation backward kernel has the same contract,
+# (grad, output_size, input_size, [align_corners], *scales) -> grad_input, so one op names the
+# kernel in an attribute instead of a dozen ops with one caller each.
+
+UPSAMPLE_KERNELS = frozenset(
+    {
+        "upsample_nearest1d_backward",
+        "upsample_nearest2d_backward",
+        "upsample_nearest3d_backward",
+        "_upsample_nearest_exact1d_backward",
+        "_upsample_nearest_exact2d_backward",
+        "_upsample_nearest_exact3d_backward",
+        "upsample_linear1d_backward",
+        "upsample_bilinear2d_backward",
+        "upsample_trilinear3d_backward",
+        "upsample_bicubic2d_backward",
+        "_upsample_bilinear2d_aa_backward",
+        "_upsample_bicubic2d_aa_backward",
+    }
+)
+
+
+@register_op("upsample_backward", EXTERN)
+def _upsample_backward(grad, *, kernel, output_size, input_size, align_corners, scales):
+    """`align_corners` is None for the nearest kernels, which take no such argument."""
+    if kernel not in UPSAMPLE_KERNELS:
+        raise ValueError(f"unknown upsample backward kernel {kernel!r}")
+    corners = () if align_corners is None else (align_corners,)
+    return getattr(aten, kernel)(grad, list(output_size), list(input_size), *corners, *scales)

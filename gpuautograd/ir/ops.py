@@ -22,6 +22,7 @@ REDUCTION = "reduction"
 LAYOUT = "layout"  # reshape, permute, expand, slices: pure indexing, no arithmetic
 INDEX = "index"  # gather / scatter / index_put: data-dependent indexing
 CREATION = "creation"
+SCAN = "scan"  # cumulative ops along one dim: the output has the input's shape
 EXTERN = "extern"  # one library call (matmul, convolution backward, attention backward, ...)
 OPAQUE = "opaque"  # a call of a live autograd node
 
@@ -136,6 +137,8 @@ _UNARY_FLOAT = {
     "erf": torch.erf,
     "sin": torch.sin,
     "cos": torch.cos,
+    "sinh": torch.sinh,  # cosh' = sinh: exp(x) - exp(-x) cancels near 0
+    "erfinv": torch.erfinv,  # erfinv's backward needs erfinv(self); only self is saved
 }
 _UNARY_SAME = {"sign": torch.sign, "neg": torch.neg}
 
@@ -212,6 +215,22 @@ def _sum(x, *, dims, keepdim, dtype=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# Scans along one dim. `reverse` scans from the end of the dim (cumsum's backward, prod's exclusive
+# products), which a scan kernel does natively, so no flip is materialized.
+
+
+def _scan(fn):
+    def impl(x, *, dim, reverse):
+        return fn(x.flip(dim), dim).flip(dim) if reverse else fn(x, dim)
+
+    return impl
+
+
+register_op("cumsum", SCAN, lambda ts, a: [ts[0]])(_scan(torch.cumsum))
+register_op("cumprod", SCAN, lambda ts, a: [ts[0]])(_scan(torch.cumprod))
+
+
+# ---------------------------------------------------------------------------------------------
 # Layout: reshape, permute, expand, slices, cat. Outputs may alias their input.
 
 
@@ -255,6 +274,11 @@ def _select_scatter(base, src, *, dim, index):
     return torch.select_scatter(base, src, dim, index)
 
 
+@register_op("flip", LAYOUT, lambda ts, a: [ts[0]])
+def _flip(x, *, dims):
+    return torch.flip(x, dims)
+
+
 # ---------------------------------------------------------------------------------------------
 # Creation
 
@@ -266,6 +290,12 @@ def _full_infer(ts, a):
 @register_op("full", CREATION, _full_infer)
 def _full(*, shape, value, dtype, device):
     return torch.full(shape, value, dtype=dtype, device=device)
+
+
+@register_op("arange", CREATION, lambda ts, a: [TensorType((a["length"],), a["dtype"], torch.device(a["device"]))])
+def _arange(*, length, dtype, device):
+    """0, 1, ..., length - 1: positions, for masks that depend on where an element is (tril)."""
+    return torch.arange(length, dtype=dtype, device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,11 +354,14 @@ def _opaque_infer(ts, attrs):
 
 
 @register_op("opaque", OPAQUE, _opaque_infer, effect=True)
-def _opaque(node, *grads, out_types, python_positions):
-    """Run `node` eagerly. `python_positions` maps a custom Function's backward results (one per
+def _opaque(node, *grads, present, out_types, python_positions):
+    """Run `node` eagerly. `present[k]` says whether incoming gradient k is given (else None, an
+    undefined gradient). `python_positions` maps a custom Function's backward results (one per
     forward argument) onto its edges; it is None for C++ nodes, which return one per edge. Results
     are validated as torch's engine does (sum to the expected shape, cast); a missing gradient on
     an edge that needs one becomes zeros."""
+    it = iter(grads)
+    grads = [next(it) if p else None for p in present]
     with torch.no_grad():
         if python_positions is None:
             raw = node(*grads)

@@ -104,4 +104,4 @@ def test_every_op_has_reference_and_inference():
     for name, op in OPS.items():
         assert callable(op.impl), name
         assert callable(op.infer), name
-        assert op.kind in {"pointwise", "reduction", "layout", "index", "creation", "extern", "opaque"}, name
+        assert op.kind in {"pointwise", "reduction", "scan", "layout", "index", "creation", "extern", "opaque"}, name

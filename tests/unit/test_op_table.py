@@ -49,6 +49,9 @@ def zoo():
     yield "bmm", torch.bmm(_leaf(2, 3, 4), _leaf(2, 4, 5)).sum()
     yield "opaque", Cube.apply(x).sum()
     yield "mask", x.masked_fill(x > 0, 0.0).erf().sum() + (x / y).sum() + (x ** y.abs()).sum()
+    yield "shape", F.pad(x[None], (2, 1), mode="reflect").tril(1).sum() + F.interpolate(x[None, None], scale_factor=2).sum()
+    yield "scans", x.cumsum(1).cosh().sum() + (x.sigmoid() - 0.5).erfinv().sum() + x.prod(1).sum()
+    yield "group_norm", F.group_norm(_leaf(2, 6, 5), 3, _leaf(6), _leaf(6)).pow(2).sum()
     yield "nll", F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 3, 6, 1, 1]), ignore_index=1, weight=torch.rand(7, dtype=torch.float64))
 
 

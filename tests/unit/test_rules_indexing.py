@@ -7,40 +7,15 @@ import pytest
 import torch
 
 import gpuautograd
-from tests.helpers import DTYPES, Case, check_case, rand
+from tests.helpers import DTYPES, Case, check_case, const, fixed, idx, leaf, make, rand
 
 # A fallback to eager autograd would compare torch with itself: make it an error.
 pytestmark = pytest.mark.filterwarnings("error:gpuautograd falls back")
 
 
-def idx(*values):
-    return torch.tensor(values, dtype=torch.long)
-
-
 def rand_index(high, *shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, high, shape, generator=g)
-
-
-def leaf(*shape, nc=False):
-    """A maker of one random leaf that requires grad (transposed storage when `nc`)."""
-    if not shape:
-        return lambda dtype: torch.randn((), dtype=dtype, requires_grad=True)
-    return lambda dtype: rand(*shape, dtype=dtype, noncontiguous=nc)
-
-
-def const(*shape):
-    """A maker of one random tensor that needs no gradient."""
-    return lambda dtype: torch.randn(*shape, dtype=dtype)
-
-
-def fixed(t):
-    """A maker that always gives `t` (an index, a mask, a constant)."""
-    return lambda dtype: t
-
-
-def make(*makers):
-    return lambda dtype: [m(dtype) for m in makers]
 
 
 CASES = [

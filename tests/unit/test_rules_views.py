@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import DTYPES, Case, check_case, check_grads, graph_node_names, rand
+from tests.helpers import DTYPES, Case, check_case, check_grads, const, graph_node_names, leaf, make, one, rand
 
 # A fallback to eager autograd would compare torch with itself: make it an error.
 pytestmark = pytest.mark.filterwarnings("error:gpuautograd falls back")
@@ -15,24 +15,6 @@ def fresh(x):
     """A non-view, non-leaf copy made by a rule of this module (cat), so in-place view ops
     (t_, squeeze_, ...) are allowed on it without involving other rule families."""
     return torch.cat([x])
-
-
-def leaf(*shape, nc=False):
-    """A maker of one random leaf that requires grad (transposed storage when `nc`)."""
-    return lambda dtype: rand(*shape, dtype=dtype, noncontiguous=nc)
-
-
-def const(*shape):
-    """A maker of one random tensor that needs no gradient."""
-    return lambda dtype: torch.randn(*shape, dtype=dtype)
-
-
-def make(*makers):
-    return lambda dtype: [m(dtype) for m in makers]
-
-
-def one(*shape, nc=False):
-    return make(leaf(*shape, nc=nc))
 
 
 CASES = [

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.autograd as _autograd
 
 from .capture import hooks
-from .capture.lower import Request, lower
 from .ir.program import Program
-from .ir.types import TensorType
-from .passes import optimize
 from .runtime import engine
 from .runtime import stats as _stats
 from .runtime.engine import Fallback, warn_fallback
@@ -26,7 +23,6 @@ from .runtime.engine import Fallback, warn_fallback
 # The eager entry points, captured before enable() can replace them.
 _eager_backward = _autograd.backward
 _eager_grad = _autograd.grad
-_eager_tensor_backward = torch.Tensor.backward
 
 hooks.install()
 
@@ -197,15 +193,14 @@ class Explanation:
     num_nodes: int
     node_names: list[str]
     opaque_nodes: list[str]
-    program: Program
-    source: str
+    program: Program | None  # None when this backward runs eagerly (see fallback_reason)
+    source: str  # the reference executor's generated Python
     fallback_reason: str | None = None
-    pass_seconds: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
+        if self.program is None:
+            return f"gpuautograd: {self.num_nodes} autograd nodes; runs eagerly: {self.fallback_reason}"
         lines = [f"gpuautograd: {self.num_nodes} autograd nodes -> {self.program.num_ops()} IR ops"]
-        if self.fallback_reason:
-            lines.append(f"falls back to eager: {self.fallback_reason}")
         lines.append(f"opaque nodes: {', '.join(self.opaque_nodes) if self.opaque_nodes else 'none'}")
         for reason in self.program.declined:
             lines.append(f"  rule declined, ran opaque: {reason}")
@@ -214,22 +209,21 @@ class Explanation:
 
 
 def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = None) -> Explanation:
-    """Capture the backward of `tensors` without running it and without freeing anything."""
+    """Capture the backward of `tensors` without running it and without freeing anything. When
+    the backward would fall back to eager, `.program` is None and `.fallback_reason` says why."""
     tensors = _as_tuple(tensors)
     inputs = _as_tuple(inputs)
     _check_roots(tensors)
     grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
-    w, key, root_edges, input_edges = engine.prepare(list(tensors), grads, list(inputs), not inputs, backend)
-    fallback = engine.unsupported_reason(w, grads)
-    timings: dict = {}
-    program = lower(w, Request(list(root_edges), [TensorType.of(g) for g in grads], list(input_edges), not inputs))
-    program = optimize(program, timings)
-    from .runtime.reference import compile_reference
-
-    source = compile_reference(program).source
-    opaque = [spec.label for _, spec in program.inputs if spec.kind == "node"]
+    accumulate = not inputs
+    w, _key, root_edges, input_edges = engine.prepare(list(tensors), grads, list(inputs), accumulate, backend)
     names = [c.name for c in w.classes]
-    return Explanation(len(w.nodes), names, opaque, program, source, fallback, timings)
+    reason = _global_fallback_reason(create_graph=False) or w.hook_reason
+    entry = None if reason else engine.build_entry(w, grads, root_edges, input_edges, accumulate)
+    if entry is None or entry.program is None:
+        return Explanation(len(w.nodes), names, [], None, "", reason or entry.fallback_reason)
+    opaque = [spec.label for _, spec in entry.program.inputs if spec.kind == "node"]
+    return Explanation(len(w.nodes), names, opaque, entry.program, entry.compiled.source)
 
 
 @dataclass

@@ -55,8 +55,6 @@ def prepare(roots, grads, inputs, accumulate: bool, backend: str | None):
         root_nodes.append(edge.node)
         root_nrs.append(edge.output_nr)
     w = walk(root_nodes)
-    if w.hook_reason:
-        raise Fallback(w.hook_reason)
     root_edges = tuple((w.index[n], nr) for n, nr in zip(root_nodes, root_nrs))
     input_edges = tuple(_edge(t, w.index) for t in inputs) if inputs else ()
     key = (backend, accumulate, tuple(tensor_meta(g) for g in grads), root_edges, input_edges, tuple(w.key))
@@ -78,6 +76,8 @@ def run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: str
 
 def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: str | None):
     w, key, root_edges, input_edges = prepare(roots, grads, inputs, accumulate, backend)
+    if w.hook_reason:
+        raise Fallback(w.hook_reason)
     st = stats_module.STATS
     entry = CACHE.get(key)
     if entry is None:

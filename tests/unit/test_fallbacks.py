@@ -178,3 +178,14 @@ def test_opaque_cpp_node_gets_undefined_gradients_as_none(monkeypatch):
     check_grads(lambda a: a.split(2, 1)[1].exp(), x, allow_opaque=True)
     report = gpuautograd.explain(x.split(2, 1)[1].sum())
     assert "present=(False, True, False)" in str(report.program), "unused outputs get None, not zeros"
+
+
+def test_explain_says_when_a_backward_would_run_eagerly():
+    x = rand(3)
+    h = x.exp()
+    h.register_hook(lambda g: g)
+    report = gpuautograd.explain((h * 2).sum())
+    assert report.program is None and "hook is registered on a non-leaf tensor" in report.fallback_reason
+    assert "runs eagerly" in str(report)
+    z = torch.randn(3, dtype=torch.complex128, requires_grad=True)
+    assert "complex" in gpuautograd.explain((z * z).abs().sum()).fallback_reason

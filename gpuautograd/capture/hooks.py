@@ -3,11 +3,13 @@
 Autograd nodes don't expose their tensor hooks to Python, and the walk only sees nodes, so the
 tensors are tracked at the source: `Tensor.register_hook` and `Tensor.retain_grad` are wrapped
 once, when gpuautograd is imported, to remember (weakly) every non-leaf tensor they touch.
-Leaf hooks need no tracking: the AccumulateGrad node exposes its variable.
+Leaf hooks need no tracking: the AccumulateGrad node exposes its variable. Tensors that got a
+hook or retain_grad() before the import are found once, at install, among the live objects.
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import torch
@@ -43,6 +45,11 @@ def install() -> None:
     torch.Tensor.register_hook = register_hook
     torch.Tensor.retain_grad = retain_grad
     _installed = True
+    # What was registered before the wrappers existed. type() rather than isinstance(): some live
+    # objects warn when their __class__ is read.
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch._C.TensorBase) and obj.grad_fn is not None and (obj._backward_hooks or obj.retains_grad):
+            _tracked[id(obj)] = obj
 
 
 def tracked_tensors() -> list[torch.Tensor]:

@@ -1,5 +1,7 @@
 """What can't be honored functionally runs eagerly, loudly; unknown nodes run as opaque calls."""
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -189,3 +191,29 @@ def test_explain_says_when_a_backward_would_run_eagerly():
     assert "runs eagerly" in str(report)
     z = torch.randn(3, dtype=torch.complex128, requires_grad=True)
     assert "complex" in gpuautograd.explain((z * z).abs().sum()).fallback_reason
+
+
+def test_hooks_registered_before_import_are_found():
+    script = """
+import subprocess
+import sys
+import warnings
+import torch
+x = torch.randn(3, requires_grad=True)
+h = x.exp()
+calls = []
+h.register_hook(lambda g: calls.append(1))
+r = x.sin()
+r.retain_grad()
+import gpuautograd
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gpuautograd.backward((h * 2).sum())
+assert calls == [1], "the hook registered before the import must run"
+assert any("hook is registered" in str(w.message) for w in caught)
+gpuautograd.backward((r * 3).sum())
+assert torch.equal(r.grad, torch.full((3,), 3.0)), r.grad
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -232,3 +232,11 @@ def test_cache_size_is_bounded(monkeypatch):
     s = gpuautograd.stats()
     assert s["cached_programs"] == 2
     assert s["captures"] == 4, "sin was evicted (least recently used) and had to be captured again"
+
+
+def test_a_changing_python_loss_scale_does_not_recapture():
+    for scale in (1024.0, 512.0, 2048.0):
+        x = rand(4, 3)
+        gpuautograd.backward((x.sin().sum() * scale) / 4.0)
+        assert_close(x.grad, x.detach().cos() * scale / 4.0)
+    assert gpuautograd.stats()["captures"] == 1

@@ -1,8 +1,10 @@
 """What can't be honored functionally runs eagerly, loudly; unknown nodes run as opaque calls."""
 
+import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +197,7 @@ def test_explain_says_when_a_backward_would_run_eagerly():
 
 def test_hooks_registered_before_import_are_found():
     script = """
+import os
 import subprocess
 import sys
 import warnings
@@ -215,5 +218,7 @@ gpuautograd.backward((r * 3).sum())
 assert torch.equal(r.grad, torch.full((3,), 3.0)), r.grad
 print("ok")
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    root = str(Path(__file__).resolve().parents[2])  # importable even when not installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -77,9 +77,10 @@ def main(argv=None) -> None:
     )
     for name in SUITE:
         r = measure(name, args.device)
-        line = f"{name:>16} {r['saved_bytes'] / 1024:>10.1f} {r['eager_retained_bytes'] / 1024:>10.1f} {r['gpuautograd_retained_bytes'] / 1024:>16.1f}"
+        kib = {k: v / 1024 for k, v in r.items() if k.endswith("_bytes")}
+        line = f"{name:>16} {kib['saved_bytes']:>10.1f} {kib['eager_retained_bytes']:>10.1f} {kib['gpuautograd_retained_bytes']:>16.1f}"
         if args.device == "cuda":
-            line += f"  {r['eager_peak_bytes'] / 1024:.1f} / {r['gpuautograd_peak_bytes'] / 1024:.1f}"
+            line += f"  {kib['eager_peak_bytes']:.1f} / {kib['gpuautograd_peak_bytes']:.1f}"
         print(line)
 
 

@@ -41,12 +41,37 @@ def _beta_self(b, node, grad):
     return (_scaled(b, grad, beta) if node.needs(0) else None), alpha
 
 
+def _column_major(node, name: str) -> bool:
+    """Whether the saved 2-D factor `name` was column-major (a transposed contiguous matrix, as a
+    Linear weight is inside addmm). torch then computes that factor's gradient transposed, so it
+    comes out with the factor's own layout (mm_mat1_backward / mm_mat2_backward)."""
+    sizes, strides = f"{name}_sym_sizes", f"{name}_sym_strides"
+    if not (node.has_saved(sizes) and node.has_saved(strides)):
+        return False
+    size, stride = node.saved(sizes), node.saved(strides)
+    return size is not None and stride is not None and len(stride) == 2 and stride[0] == 1 and stride[1] == size[0]
+
+
 def _product_grads(b, node, grad, product, left: str, right: str, first: int, alpha=1) -> list:
     """The gradients of `alpha * product(left, right)` (product: b.mm or b.bmm) with respect to
     its two saved factors, which are the node's inputs `first` and `first + 1`:
-    left: grad.product(right^T) * alpha;  right: left^T.product(grad) * alpha."""
-    grad_left = _scaled(b, product(grad, _mT(b, node.saved(right))), alpha) if node.needs(first) else None
-    grad_right = _scaled(b, product(_mT(b, node.saved(left)), grad), alpha) if node.needs(first + 1) else None
+    left: grad.product(right^T) * alpha;  right: left^T.product(grad) * alpha
+    (for a column-major 2-D factor, the same product computed transposed, as torch does)."""
+    grad_left = grad_right = None
+    if node.needs(first):
+        r = node.saved(right)
+        if product == b.mm and _column_major(node, left):
+            grad_left = _mT(b, b.mm(r, _mT(b, grad)))
+        else:
+            grad_left = product(grad, _mT(b, r))
+        grad_left = _scaled(b, grad_left, alpha)
+    if node.needs(first + 1):
+        lft = node.saved(left)
+        if product == b.mm and _column_major(node, right):
+            grad_right = _mT(b, b.mm(_mT(b, grad), lft))
+        else:
+            grad_right = product(_mT(b, lft), grad)
+        grad_right = _scaled(b, grad_right, alpha)
     return [grad_left, grad_right]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import gpuautograd
 from gpuautograd.capture.nodeview import NodeView
 from gpuautograd.ir.builder import Builder
 from gpuautograd.ir.program import InputSpec
@@ -176,3 +177,14 @@ def test_linear(dtype, batch, with_bias):
         check_grads(F.linear, x, w, rand(5, dtype=dtype))
     else:
         check_grads(F.linear, x, w)
+
+
+def test_linear_weight_gradient_comes_out_in_the_weight_layout():
+    # The weight enters addmm transposed (column-major); like torch's mm_mat2_backward, the rule
+    # computes its gradient transposed so that it needs no copy to become weight.grad.
+    x, w, bias = rand(7, 13), rand(5, 13), rand(5)
+    check_node(F.linear, x, w, bias, node="AddmmBackward0")
+    program = gpuautograd.explain(F.linear(x, w, bias).sum()).program
+    producer = {id(o): i.op for i in program.instrs for o in i.outputs if o is not None}
+    weight_grad = next(v for v, spec in program.outputs if v is not None and v.shape == (5, 13))
+    assert producer[id(weight_grad)] == "mm", str(program)

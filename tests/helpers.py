@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 import gpuautograd
@@ -96,6 +97,24 @@ def check_case(case: Case, dtype: torch.dtype):
     assert case.node in graph_node_names(case.fn(*inputs)), f"{case.id} does not build {case.node}"
     grads = check_grads(case.fn, *inputs)
     assert any(g is not None for g in grads)
+
+
+def run_case(case: Case, dtype: torch.dtype) -> None:
+    """check_grads on `case.make(dtype)` after asserting that the graph contains `case.node`, from
+    a fresh cache, asserting that the captured program (not an eager fallback) produced them."""
+    inputs = case.make(dtype)
+    names = graph_node_names(case.fn(*inputs))
+    assert case.node in names, f"{case.id} builds {sorted(names)}, not {case.node}"
+    # A fresh cache, so that the rules run: no cached program, no recapture-limit fallback.
+    gpuautograd.reset()
+    check_grads(case.fn, *inputs)
+    stats = gpuautograd.stats()
+    assert stats["captures"] == 1 and not stats["fallbacks"], f"{case.id} did not run its captured program: {stats}"
+
+
+def params(cases):
+    """pytest parameters: every case in each of its dtypes, with readable ids."""
+    return [pytest.param(c, d, id=f"{c.id}-{str(d).replace('torch.', '')}") for c in cases for d in c.dtypes]
 
 
 # Makers for Case tables: each takes the dtype of the case and returns its inputs.

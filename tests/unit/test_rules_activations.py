@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import DTYPES, Case, check_case, check_grads, rand
+from tests.helpers import DTYPES, Case, check_case, check_grads, params, rand
 
 
 def spread(*shape, scale=4.0, dtype=torch.float64, noncontiguous=False):
@@ -75,10 +75,6 @@ CASES = [
     Case("softshrink", "SoftshrinkBackward0", lambda x: F.softshrink(x, 0.3), lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),
     Case("hardshrink", "HardshrinkBackward0", lambda x: F.hardshrink(x, 0.3), lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),
 ]
-
-
-def params(cases):
-    return [pytest.param(c, d, id=f"{c.id}-{str(d).replace('torch.', '')}") for c in cases for d in c.dtypes]
 
 
 @pytest.mark.parametrize("case, dtype", params(CASES))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import Case, check_case, check_grads, graph_node_names, rand
+from tests.helpers import Case, check_case, check_grads, graph_node_names, params, rand
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -135,10 +135,6 @@ CASES = [
     Case("xlogy_scalar_self", "XlogyBackward1", lambda y: torch.xlogy(2.5, y), lambda d: (positive(7, 13, dtype=d),)),
     Case("xlogy_scalar_other", "XlogyBackward2", lambda x: torch.xlogy(x, 2.5), lambda d: (rand(7, 13, dtype=d),)),
 ]
-
-
-def params(cases):
-    return [pytest.param(c, d, id=f"{c.id}-{str(d).replace('torch.', '')}") for c in cases for d in c.dtypes]
 
 
 @pytest.mark.parametrize("case, dtype", params(CASES))

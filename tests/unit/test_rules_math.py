@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import gpuautograd
-from tests.helpers import Case, rand
-from tests.unit.test_rules_pointwise import F64, integers, params, positive, run_case, scalar
+from tests.helpers import Case, params, rand, run_case
+from tests.unit.test_rules_pointwise import F64, integers, positive, scalar
 
 INF = float("inf")
 

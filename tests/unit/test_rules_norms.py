@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import DTYPES, Case, assert_close, check_node, graph_node_names, rand
-from tests.unit.test_rules_pointwise import const, params, positive, run_case
+from tests.helpers import DTYPES, Case, assert_close, check_node, graph_node_names, params, rand, run_case
+from tests.unit.test_rules_pointwise import const, positive
 
 
 def targets(shape, classes, ignore_index=None, every=3):

@@ -16,8 +16,8 @@ from gpuautograd.ir.program import InputSpec, OutputSpec
 from gpuautograd.ir.types import TensorType
 from gpuautograd.rules import lookup
 from gpuautograd.runtime.reference import compile_reference
-from tests.helpers import DTYPES, Case, assert_close, check_grads, graph_node_names, rand
-from tests.unit.test_rules_pointwise import const, params, positive, run_case
+from tests.helpers import DTYPES, Case, assert_close, check_grads, graph_node_names, params, rand, run_case
+from tests.unit.test_rules_pointwise import const, positive
 
 # -- group norm -------------------------------------------------------------------------------
 

@@ -10,24 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import Case, check_grads, graph_node_names, rand
+from tests.helpers import Case, params, rand, run_case
 
 F64 = (torch.float64,)
-
-
-def run_case(case: Case, dtype: torch.dtype) -> None:
-    inputs = case.make(dtype)
-    names = graph_node_names(case.fn(*inputs))
-    assert case.node in names, f"{case.id} builds {sorted(names)}, not {case.node}"
-    # A fresh cache, so that the rules run: no cached program, no recapture-limit fallback.
-    gpuautograd.reset()
-    check_grads(case.fn, *inputs)
-    stats = gpuautograd.stats()
-    assert stats["captures"] == 1 and not stats["fallbacks"], f"{case.id} did not run its captured program: {stats}"
-
-
-def params(cases):
-    return [pytest.param(c, d, id=f"{c.id}-{str(d).replace('torch.', '')}") for c in cases for d in c.dtypes]
 
 
 # -- input makers -----------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import gpuautograd
-from tests.helpers import Case, rand
-from tests.unit.test_rules_pointwise import F64, integers, params, run_case, scalar
+from tests.helpers import Case, params, rand, run_case
+from tests.unit.test_rules_pointwise import F64, integers, scalar
 
 CASES = [
     Case("sum_all", "SumBackward0", torch.sum, lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.autograd as _autograd
 
 from .capture import hooks
+from .ir.ops import get_op
 from .ir.program import Program
 from .runtime import engine
 from .runtime import stats as _stats
 from .runtime.engine import Fallback, warn_fallback
+from .runtime.fused import FusedProgram
 
 # The eager entry points, captured before enable() can replace them.
 _eager_backward = _autograd.backward
@@ -194,8 +196,19 @@ class Explanation:
     node_names: list[str]
     opaque_nodes: list[str]
     program: Program | None  # None when this backward runs eagerly (see fallback_reason)
-    source: str  # the reference executor's generated Python
+    source: str  # the executor's generated Python (for fused backends: the plan, kernels as calls)
     fallback_reason: str | None = None
+    backend: str = "reference"
+    kernels: list = field(default_factory=list)  # fused backends: KernelInfo(name, source, members, ...)
+    launches: int = 0  # kernel launches plus library calls per backward (reference: one per torch op)
+    memory: str = ""  # fused backends: the arena plan against the sum of all intermediates
+    bytes_moved: int = 0  # fused backends: planned bytes read and written by kernels and library calls
+    decisions: list = field(default_factory=list)  # fused backends: every decision not to fuse, with why
+
+    @property
+    def plan(self) -> str:
+        """The printed plan: for fused backends, kernels as calls with their member ops as comments."""
+        return self.source
 
     def __str__(self) -> str:
         if self.program is None:
@@ -205,6 +218,9 @@ class Explanation:
         for reason in self.program.declined:
             lines.append(f"  rule declined, ran opaque: {reason}")
         lines.append(str(self.program))
+        if self.kernels:
+            lines.append(f"plan ({self.backend}): {len(self.kernels)} kernels, {self.launches} launches; {self.memory}")
+            lines.append(self.source)
         return "\n".join(lines)
 
 
@@ -216,14 +232,31 @@ def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = No
     _check_roots(tensors)
     grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
     accumulate = not inputs
-    w, _key, root_edges, input_edges = engine.prepare(list(tensors), grads, list(inputs), accumulate, backend)
+    w, key, root_edges, input_edges = engine.prepare(list(tensors), grads, list(inputs), accumulate, backend)
     names = [c.name for c in w.classes]
     reason = _global_fallback_reason(create_graph=False) or w.hook_reason
-    entry = None if reason else engine.build_entry(w, grads, root_edges, input_edges, accumulate)
+    entry = None if reason else engine.build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
     if entry is None or entry.program is None:
-        return Explanation(len(w.nodes), names, [], None, "", reason or entry.fallback_reason)
+        return Explanation(len(w.nodes), names, [], None, "", reason or entry.fallback_reason, key[0])
     opaque = [spec.label for _, spec in entry.program.inputs if spec.kind == "node"]
-    return Explanation(len(w.nodes), names, opaque, entry.program, entry.compiled.source)
+    compiled = entry.compiled
+    if isinstance(compiled, FusedProgram):
+        return Explanation(
+            len(w.nodes),
+            names,
+            opaque,
+            entry.program,
+            compiled.source,
+            None,
+            key[0],
+            compiled.kernels,
+            compiled.launches,
+            compiled.memory.summary(),
+            compiled.bytes_moved,
+            compiled.plan.decisions,
+        )
+    launches = sum(1 for i in entry.program.instrs if not get_op(i.op).view)
+    return Explanation(len(w.nodes), names, opaque, entry.program, compiled.source, None, key[0], launches=launches)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "reference", "interpret", "triton")
 
 
 def _env(name: str, default: str) -> str:
@@ -23,7 +23,8 @@ def backend() -> str:
 
 
 def debug_level() -> int:
-    """GPUAUTOGRAD_DEBUG: 0 quiet, 1 cache misses and fallbacks, 2 also the program of each capture."""
+    """GPUAUTOGRAD_DEBUG: 0 quiet, 1 cache misses and fallbacks, 2 also the program and the fused plan
+    of each capture, 3 also every fusion decision with its reason."""
     return int(_env("GPUAUTOGRAD_DEBUG", "0"))
 
 
@@ -35,3 +36,8 @@ def cache_size() -> int:
 def recapture_limit() -> int:
     """GPUAUTOGRAD_RECAPTURE_LIMIT: recaptures of one graph structure before a warning says so."""
     return int(_env("GPUAUTOGRAD_RECAPTURE_LIMIT", "8"))
+
+
+def dump_dir() -> str:
+    """GPUAUTOGRAD_DUMP_DIR: when set, every generated Triton kernel is written to this directory."""
+    return _env("GPUAUTOGRAD_DUMP_DIR", "")

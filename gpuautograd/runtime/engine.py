@@ -6,6 +6,7 @@ argument list -> release what eager releases -> run -> accumulate. No rule runs 
 
 from __future__ import annotations
 
+import functools
 import gc
 import warnings
 
@@ -23,6 +24,7 @@ from ..passes import optimize
 from . import stats as stats_module
 from .accumulate import accumulate_grad, retain_grad
 from .cache import Entry, PlanCache, explain_miss, structure_of
+from .fused import FusedProgram, compile_fused, input_strides_of
 from .reference import compile_reference
 
 CACHE = PlanCache()
@@ -32,11 +34,32 @@ class Fallback(Exception):
     """This backward can't be honored functionally; run eager autograd instead (reason in args)."""
 
 
-def _backend(backend: str | None) -> str:
+def _backend(backend: str | None, device: torch.device) -> str:
+    """Resolve "auto" for the device, and refuse a backend that can't run there."""
     backend = backend or flags.backend()
     if backend not in flags.BACKENDS:
         raise ValueError(f"unknown gpuautograd backend {backend!r}; available: {flags.BACKENDS}")
-    return "reference" if backend == "auto" else backend
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "reference"
+    if backend == "interpret" and device.type != "cpu":
+        raise ValueError(f"the 'interpret' backend runs Triton's interpreter on CPU tensors; this backward is on {device}")
+    if backend == "triton" and device.type != "cuda":
+        raise ValueError(f"the 'triton' backend needs CUDA tensors; this backward is on {device} (use 'interpret' on CPU)")
+    if backend in FUSED_BACKENDS and not _triton_available():
+        raise ValueError(f"the {backend!r} backend needs the triton package, which is not importable")
+    return backend
+
+
+FUSED_BACKENDS = ("interpret", "triton")
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _edge(t: torch.Tensor, index: dict):
@@ -47,7 +70,7 @@ def _edge(t: torch.Tensor, index: dict):
 
 def prepare(roots, grads, inputs, accumulate: bool, backend: str | None):
     """Walk the graph and build the full cache key. Returns (walk, key, request pieces)."""
-    backend = _backend(backend)
+    backend = _backend(backend, roots[0].device)
     root_nodes = []
     root_nrs = []
     for t in roots:
@@ -134,9 +157,13 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
         CACHE.put(key, entry, flags.cache_size())
         return entry
     st.captures += 1
-    entry = build_entry(w, grads, root_edges, input_edges, accumulate)
+    entry = build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
     if flags.debug_level() >= 2 and entry.program is not None:
         print(f"[gpuautograd] captured program:\n{entry.program}")
+        if isinstance(entry.compiled, FusedProgram):
+            print(f"[gpuautograd] fused plan ({entry.compiled.launches} launches):\n{entry.compiled.source}")
+    if flags.debug_level() >= 3 and isinstance(entry.compiled, FusedProgram):
+        print("[gpuautograd] fusion decisions:\n" + "\n".join(entry.compiled.plan.decisions))
     CACHE.put(key, entry, flags.cache_size())
     return entry
 
@@ -154,7 +181,7 @@ def unsupported_reason(w, grads) -> str | None:
     return None
 
 
-def build_entry(w, grads, root_edges, input_edges, accumulate: bool) -> Entry:
+def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: str = "reference") -> Entry:
     reason = unsupported_reason(w, grads)
     if reason:
         return Entry(program=None, compiled=None, fallback_reason=reason)
@@ -162,8 +189,12 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool) -> Entry:
     program = lower(w, request)
     program = optimize(program, stats_module.STATS.pass_seconds)
     verify(program)
-    compiled = compile_reference(program)
     arg_plan = [(spec.kind, spec.index) for _, spec in program.inputs]
+    if backend in FUSED_BACKENDS:
+        tensors = [w.saved[i] if kind == "saved" else grads[i] if kind == "grad" else None for kind, i in arg_plan]
+        compiled = compile_fused(program, input_strides_of(program, tensors), interpret=backend == "interpret")
+    else:
+        compiled = compile_reference(program)
     owned = owned_outputs(program)
     sinks = [(spec.kind, spec.index, spec.slot, own) for (_, spec), own in zip(program.outputs, owned)]
     opaque = sorted({spec.index for _, spec in program.inputs if spec.kind == "node"})

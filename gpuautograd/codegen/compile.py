@@ -1,0 +1,151 @@
+"""Turn generated kernel source into launchable functions, cached by source hash.
+
+The same source runs in Triton's interpreter (CPU tensors) or is compiled by Triton's JIT (CUDA),
+and compiles ahead of time for any CUDA architecture with no GPU present (`compile_ahead`).
+With GPUAUTOGRAD_DUMP_DIR set, every kernel is written there and loaded from that file, so
+tracebacks and profilers point at readable source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import linecache
+import os
+import warnings
+
+import torch
+
+from .. import flags
+from .kernel import KernelSource
+
+_FUNCTIONS: dict[str, object] = {}  # source hash -> the Python function of the kernel
+_LAUNCHABLE: dict[tuple[str, bool], object] = {}  # (hash, interpret) -> JITFunction / InterpretedFunction
+
+TRITON_TYPES = {
+    torch.float64: "fp64",
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def python_function(ks: KernelSource):
+    """exec the kernel's source once per distinct source; register it so inspect can read it."""
+    import triton
+    import triton.language as tl
+
+    digest = source_hash(ks.source)
+    fn = _FUNCTIONS.get(digest)
+    if fn is not None:
+        return fn
+    text = "import triton\nimport triton.language as tl\n\n\n" + ks.source
+    dump = flags.dump_dir()
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        filename = os.path.join(dump, f"{ks.name}_{digest}.py")
+        with open(filename, "w") as f:
+            f.write(text)
+    else:
+        filename = f"<gpuautograd kernel {digest}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    # exec'd undecorated (the decorator line stays as a comment, so line numbers match the file):
+    # each backend wraps the plain function itself
+    src = text.replace("@triton.jit\n", "# @triton.jit\n")
+    namespace = {"triton": triton, "tl": tl}
+    exec(compile(src, filename, "exec"), namespace)
+    fn = namespace[ks.name]
+    _FUNCTIONS[digest] = fn
+    return fn
+
+
+def launchable(ks: KernelSource, interpret: bool):
+    digest = source_hash(ks.source)
+    key = (digest, interpret)
+    kernel = _LAUNCHABLE.get(key)
+    if kernel is None:
+        import triton
+
+        fn = python_function(ks)
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            kernel = InterpretedFunction(fn)
+        else:
+            kernel = triton.jit(fn)
+        _LAUNCHABLE[key] = kernel
+    return kernel
+
+
+class Launcher:
+    """Launches one kernel; if compiling or launching fails, warns once and runs `fallback`
+    (the kernel's instructions through the reference ops) from then on."""
+
+    def __init__(self, ks: KernelSource, interpret: bool, fallback) -> None:
+        self.ks = ks
+        self.interpret = interpret
+        self.fallback = fallback
+        self.failed: str | None = None
+        self.kernel = None
+        self.grid = ks.grid
+        self.options = dict(ks.constexprs)
+        if not interpret:
+            self.options["num_warps"] = ks.num_warps
+
+    def launch(self, *args):
+        if self.kernel is None:
+            self.kernel = launchable(self.ks, self.interpret)
+        self.kernel[self.grid](*args, **self.options)
+
+    def __call__(self, *args):
+        if self.failed is None:
+            try:
+                return self.launch(*args)
+            except Exception as e:  # a compiler or launch error: keep the gradients right
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.failed = f"{type(e).__name__}: {first}"
+                warnings.warn(
+                    f"gpuautograd: kernel {self.ks.name} ({self.ks.space}) failed ({self.failed}); "
+                    "its instructions run as reference torch ops instead",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        n_in = len(self.ks.loads)
+        self.fallback(args[:n_in], args[n_in : n_in + len(self.ks.stores)])
+
+
+def signature(ks: KernelSource) -> tuple[dict, dict]:
+    """ASTSource signature and constexprs of a kernel, from its parameters' dtypes."""
+    sig = {}
+    for k, v in enumerate(ks.loads):
+        sig[f"in{k}"] = "*" + TRITON_TYPES[v.dtype]
+    for k, v in enumerate(ks.stores):
+        sig[f"out{k}"] = "*" + TRITON_TYPES[v.dtype]
+    for v in ks.runtime_strides:
+        k = ks.loads.index(v)
+        for d in range(v.ndim):
+            sig[f"in{k}_s{d}"] = "i64" if ks.int64 else "i32"
+    for name in ks.constexprs:
+        sig[name] = "constexpr"
+    return sig, dict(ks.constexprs)
+
+
+def compile_ahead(ks: KernelSource, arch: int):
+    """Compile one kernel for CUDA sm_<arch> with no GPU (raises the compiler's error)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = triton.jit(python_function(ks))
+    sig, constexprs = signature(ks)
+    source = ASTSource(fn, sig, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": ks.num_warps})

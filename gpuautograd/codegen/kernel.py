@@ -1,0 +1,498 @@
+"""Generate the Triton source of one fused kernel.
+
+A kernel computes its member values over one iteration space:
+- pointwise: a 1-D space over the elements of a shape (`xindex`);
+- reduction: a 2-D tile of a shape whose dims split into kept rows (`rindex`) and reduced columns
+  (`cindex`). When a whole row fits in one block the kernel is row-persistent: the sums stay in
+  registers and the pointwise consumers that broadcast them back (softmax, layer norm backward)
+  run in the same kernel. Otherwise the columns are walked in a loop that accumulates.
+
+Values are generated on demand by index: a member, or anything it reads through pointwise and
+layout ops, is computed at the index where it is needed; realized values of other steps are
+loaded. The same walk decides legality: a member read at another index than the one it is
+computed at can't share the kernel (`NotFusible`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..fusion import heuristics as H
+from ..fusion import indexing as ix
+from ..ir.printer import format_instr
+from ..ir.program import Value
+from .lowering import LOWERINGS, TL_DTYPES, compute_dtype, literal
+
+
+class NotFusible(Exception):
+    """These members can't share one kernel (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Space:
+    shape: tuple[int, ...]
+    reduced: tuple[int, ...] = ()  # reduced dims; () for a pointwise space
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        return tuple(d for d in range(len(self.shape)) if d not in self.reduced)
+
+    @property
+    def rows(self) -> int:
+        return _prod(self.shape[d] for d in self.kept)
+
+    @property
+    def cols(self) -> int:
+        return _prod(self.shape[d] for d in self.reduced)
+
+    @property
+    def numel(self) -> int:
+        return _prod(self.shape)
+
+    @property
+    def persistent(self) -> bool:
+        return self.cols <= H.MAX_PERSISTENT_COLS
+
+    def __str__(self) -> str:
+        dims = "x".join(map(str, self.shape))
+        return f"pointwise[{dims}]" if not self.reduced else f"reduce[{dims} over dims {list(self.reduced)}]"
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+@dataclass
+class KernelSource:
+    name: str
+    source: str
+    space: Space
+    loads: list[Value]  # buffer parameters, in order
+    stores: list[Value]  # output parameters, in order
+    runtime_strides: list[Value]  # loads whose strides are passed as arguments
+    grid: tuple[int, ...]
+    constexprs: dict[str, int]
+    num_warps: int
+    instrs: list[int]  # program instructions this kernel implements
+    bytes_read: int
+    bytes_written: int
+    int64: bool = False
+    reads_at: dict[str, set] = field(default_factory=dict)  # value id -> indices it is loaded at
+
+
+class Emitter:
+    def __init__(self, analysis, space: Space, members: list[Value], stores: set[str] | None, name: str, interpret: bool):
+        self.a = analysis
+        self.space = space
+        self.members = {m.name: m for m in members}
+        self.store_ids = set(self.members) if stores is None else stores
+        self.name = name
+        self.interpret = interpret
+        self.lines: list[str] = []
+        self.memo: dict = {}
+        self.ntmp = 0
+        self.loads: dict[str, str] = {}  # value id -> parameter name
+        self.load_values: list[Value] = []
+        self.runtime: list[Value] = []
+        self.instrs: set[str] = set()
+        self.reads_at: dict[str, set] = {}
+        self.in_loop = False
+        self.sum_values: dict[str, str] = {}
+        self.int64 = self._needs_int64()
+
+    # -- small helpers -----------------------------------------------------------------------
+
+    def tmp(self, expr: str) -> str:
+        name = f"t{self.ntmp}"
+        self.ntmp += 1
+        self.lines.append(f"{name} = {expr}")
+        return name
+
+    def _needs_int64(self) -> bool:
+        limit = H.INT32_LIMIT
+        if self.space.numel > limit:
+            return True
+        for m in self.members.values():
+            if m.type.numel() > limit:
+                return True
+        return False
+
+    def mask_for(self, vars_: frozenset) -> str | None:
+        parts = [m for v, m in (("xindex", "xmask"), ("rindex", "rmask"), ("cindex", "cmask")) if v in vars_]
+        return " & ".join(parts) if parts else None
+
+    # -- canonical indices ---------------------------------------------------------------------
+
+    def space_index(self) -> list[ix.Ix]:
+        sp = self.space
+        if not sp.reduced:
+            return ix.unravel(ix.var("xindex", sp.numel), sp.shape)
+        rows = ix.unravel(ix.var("rindex", sp.rows), [sp.shape[d] for d in sp.kept])
+        cols = ix.unravel(ix.var("cindex", sp.cols), [sp.shape[d] for d in sp.reduced])
+        out, ri, ci = [], iter(rows), iter(cols)
+        for d in range(len(sp.shape)):
+            out.append(next(ci) if d in sp.reduced else next(ri))
+        return out
+
+    def row_index(self) -> list[ix.Ix]:
+        sp = self.space
+        return ix.unravel(ix.var("rindex", sp.rows), [sp.shape[d] for d in sp.kept])
+
+    def canonical(self, v: Value) -> list[ix.Ix] | None:
+        """The index at which member `v` is computed in this space (None: it has no place here)."""
+        sp = self.space
+        instr = self.a.producer.get(v.name)
+        if instr is not None and instr.op == "sum" and self._is_space_sum(instr):
+            return self._sum_out_index(instr)
+        n = v.type.numel()
+        if n == sp.numel:
+            return ix.reshape_index(self.space_index(), sp.shape, v.shape)
+        if sp.reduced and n == sp.rows:
+            return ix.reshape_index(self.row_index(), [sp.shape[d] for d in sp.kept], v.shape)
+        return None
+
+    def _is_space_sum(self, instr) -> bool:
+        x = instr.inputs[0]
+        return bool(self.space.reduced) and tuple(x.shape) == self.space.shape and tuple(instr.attrs["dims"]) == self.space.reduced
+
+    def _sum_out_index(self, instr) -> list[ix.Ix]:
+        rows = iter(self.row_index())
+        out = []
+        for d in range(len(self.space.shape)):
+            if d in self.space.reduced:
+                if instr.attrs["keepdim"]:
+                    out.append(ix.const(0))
+            else:
+                out.append(next(rows))
+        return out
+
+    # -- values --------------------------------------------------------------------------------
+
+    def value(self, v, index: list[ix.Ix]) -> str:
+        if not isinstance(v, Value):
+            return literal(v)
+        key = (v.name, ix.ravel(index, v.shape).code)
+        hit = self.memo.get(key)
+        if hit is not None:
+            return hit
+        out = self._value(v, index, key[1])
+        self.memo[key] = out
+        return out
+
+    def _value(self, v: Value, index, linear_code: str) -> str:
+        instr = self.a.producer.get(v.name)
+        computed_here = v.name in self.members
+        if instr is None or not self.a.fusible(instr) or (v.name in self.a.realized and not computed_here):
+            return self.load(v, index)
+        if computed_here:
+            canon = self.canonical(v)
+            if canon is None:
+                raise NotFusible(f"{v.name} {v.type} has no place in {self.space}")
+            if ix.ravel(canon, v.shape).code != linear_code:
+                raise NotFusible(f"{v.name} is read at another index than the one {self.space} computes it at")
+        self.instrs.add(self.a.position[id(instr)])
+        return self.compute(instr, v, index)
+
+    def load(self, v: Value, index) -> str:
+        name = self.loads.get(v.name)
+        if v.type.numel() > H.INT32_LIMIT:
+            self.int64 = True
+        if name is None:
+            name = f"in{len(self.loads)}"
+            self.loads[v.name] = name
+            self.load_values.append(v)
+            if self.a.runtime_strides(v):
+                self.runtime.append(v)
+        strides = self.a.strides(v, name)
+        off = ix.offset(index, v.shape, strides)
+        self.reads_at.setdefault(v.name, set()).add(off.code)
+        mask = self.mask_for(off.vars)
+        ptr = name if off.code == "0" else f"{name} + {ix._paren(off.code)}" if " " in off.code else f"{name} + {off.code}"
+        expr = f"tl.load({ptr}, mask={mask}, other=0)" if mask else f"tl.load({ptr})"
+        if compute_dtype(v.dtype) != v.dtype:
+            expr += ".to(tl.float32)"
+        return self.tmp(expr)
+
+    def compute(self, instr, v: Value, index) -> str:
+        op = instr.op
+        a = instr.attrs
+        x = instr.inputs[0] if instr.inputs else None
+        if op == "reshape":
+            return self.value(x, ix.reshape_index(index, v.shape, x.shape))
+        if op == "permute":
+            return self.value(x, ix.permute_index(index, a["dims"]))
+        if op == "expand":
+            return self.value(x, ix.expand_index(index, v.shape, x.shape))
+        if op == "slice":
+            start, _, step = normalize_slice(x.shape[a["dim"]], a["start"], a["end"], a["step"])
+            return self.value(x, ix.slice_index(index, a["dim"] % x.ndim, start, step))
+        if op == "select":
+            d = a["dim"] % x.ndim
+            return self.value(x, ix.select_index(index, d, a["index"] % x.shape[d]))
+        if op == "flip":
+            return self.value(x, ix.flip_index(index, x.shape, [d % x.ndim for d in a["dims"]]))
+        if op == "full":
+            return self.tmp(f"tl.full([], {literal(a['value'])}, {TL_DTYPES[compute_dtype(v.dtype)]})")
+        if op == "arange":
+            code = index[0].code
+            return self.tmp(f"tl.full([], {code}, {TL_DTYPES[v.dtype]})" if code.isdigit() else f"({code}).to({TL_DTYPES[v.dtype]})")
+        if op == "sum":
+            return self.reduce(instr, v, index)
+        if op == "cat":
+            return self.cat(instr, v, index)
+        if op == "slice_scatter":
+            return self.slice_scatter(instr, v, index)
+        if op == "select_scatter":
+            return self.select_scatter(instr, v, index)
+        if op == "scatter":
+            return self.one_hot_scatter(instr, v, index)
+        return self.pointwise(instr, v, index)
+
+    def pointwise(self, instr, v: Value, index) -> str:
+        operands = []
+        ctypes = set()
+        for x in instr.inputs:
+            if isinstance(x, Value):
+                operands.append(self.value(x, ix.expand_index(index, v.shape, x.shape)))
+                ctypes.add(compute_dtype(x.dtype))
+            else:
+                operands.append(literal(x))
+        out = compute_dtype(v.dtype)
+        expr = LOWERINGS[instr.op](self, *operands, instr.attrs, out)
+        if instr.op == "cast" and v.dtype != out:  # round through the half type, as torch does
+            expr = f"{expr}.to({TL_DTYPES[v.dtype]}).to({TL_DTYPES[out]})"
+        elif instr.op in ("where", "div", "cast", "sign", "pow", "full") or ctypes - {out}:
+            if out != torch.bool:
+                expr = f"({expr}).to({TL_DTYPES[out]})"
+        return self.tmp(expr)
+
+    def reduce(self, instr, v: Value, index) -> str:
+        x = instr.inputs[0]
+        reduced = [d for d in instr.attrs["dims"]]
+        if _prod(x.shape[d] for d in reduced) == 1:  # nothing to add up: a reshape
+            src = []
+            it = iter(index)
+            for d in range(x.ndim):
+                if d in reduced:
+                    src.append(ix.const(0))
+                    if instr.attrs["keepdim"]:
+                        next(it)
+                else:
+                    src.append(next(it))
+            return self.cast_to(self.value(x, src), x, v)
+        if v.name not in self.members or not self._is_space_sum(instr):
+            raise NotFusible(f"{v.name} = sum over {reduced} is not this kernel's reduction ({self.space})")
+        if self.in_loop:
+            raise NotFusible(f"{v.name} = sum is read inside another sum's column loop")
+        hit = self.sum_values.get(v.name)
+        if hit is not None:
+            return hit
+        acc = TL_DTYPES[compute_dtype(v.dtype)]
+        if self.space.persistent:
+            body = self.value(x, self.space_index())
+            out = self.tmp(f"tl.reduce(tl.where(rmask & cmask, {body}, 0).to({acc}), 1, tl.standard._sum_combine, keep_dims=True)")
+        else:
+            out = self.looped_sum(x, acc)
+        self.sum_values[v.name] = out
+        return out
+
+    def looped_sum(self, x: Value, acc: str) -> str:
+        name = f"acc{len(self.sum_values)}"
+        self.lines.append(f"{name} = tl.zeros([RBLOCK, CBLOCK], {acc})")
+        self.lines.append("for c0 in range(0, COLS, CBLOCK):")
+        outer_lines, outer_memo = self.lines, self.memo
+        self.lines, self.memo, self.in_loop = [], {}, True
+        self.lines.append("cindex = c0 + tl.arange(0, CBLOCK)[None, :]")
+        self.lines.append("cmask = cindex < COLS")
+        body = self.value(x, self.space_index())
+        self.lines.append(f"{name} += tl.where(rmask & cmask, {body}, 0).to({acc})")
+        outer_lines.extend("    " + line for line in self.lines)
+        self.lines, self.memo, self.in_loop = outer_lines, outer_memo, False
+        return self.tmp(f"tl.reduce({name}, 1, tl.standard._sum_combine, keep_dims=True)")
+
+    def cast_to(self, expr: str, x: Value, v: Value) -> str:
+        if compute_dtype(x.dtype) == compute_dtype(v.dtype):
+            return expr
+        return self.tmp(f"{expr}.to({TL_DTYPES[compute_dtype(v.dtype)]})")
+
+    # -- where-compositions: cat, slice_scatter, select_scatter, one-hot scatter ---------------
+
+    def cat(self, instr, v: Value, index) -> str:
+        d = instr.attrs["dim"] % v.ndim
+        parts = [(x, x.shape[d]) for x in instr.inputs if x.shape[d] > 0]
+        starts = []
+        acc = 0
+        for _, size in parts:
+            starts.append(acc)
+            acc += size
+        pos = index[d]
+        result = None
+        for (x, size), start in reversed(list(zip(parts, starts))):
+            sub = list(index)
+            sub[d] = ix.clamp(ix.shifted(pos, start), 0, size - 1)
+            val = self.cast_to(self.value(x, sub), x, v)
+            result = val if result is None else self.tmp(f"tl.where({ix._paren(pos.code)} < {start + size}, {val}, {result})")
+        return result
+
+    def slice_scatter(self, instr, v: Value, index) -> str:
+        base, src = instr.inputs
+        a = instr.attrs
+        d = a["dim"] % v.ndim
+        start, end, step = normalize_slice(v.shape[d], a["start"], a["end"], a["step"])
+        pos = ix._paren(index[d].code)
+        n = src.shape[d]
+        if n == 0:
+            return self.value(base, index)
+        rel = ix.shifted(index[d], start)
+        sub = list(index)
+        sub[d] = ix.clamp(rel if step == 1 else ix.Ix(f"{ix._paren(rel.code)} // {step}", rel.extent, rel.vars), 0, n - 1)
+        inside = f"({pos} >= {start}) & ({pos} < {end})"
+        if step != 1:
+            inside += f" & (({pos} - {start}) % {step} == 0)"
+        s = self.cast_to(self.value(src, sub), src, v)
+        b = self.cast_to(self.value(base, index), base, v)
+        return self.tmp(f"tl.where({inside}, {s}, {b})")
+
+    def select_scatter(self, instr, v: Value, index) -> str:
+        base, src = instr.inputs
+        d = instr.attrs["dim"] % v.ndim
+        where = instr.attrs["index"] % v.shape[d]
+        sub = list(index[:d]) + list(index[d + 1 :])
+        s = self.cast_to(self.value(src, sub), src, v)
+        b = self.cast_to(self.value(base, index), base, v)
+        return self.tmp(f"tl.where({ix._paren(index[d].code)} == {where}, {s}, {b})")
+
+    def one_hot_scatter(self, instr, v: Value, index) -> str:
+        base, idx, src = instr.inputs
+        d = instr.attrs["dim"] % v.ndim
+        if not one_hot_scatter(instr):
+            raise NotFusible("scatter with more than one index per row runs as a library call")
+        sub = list(index)
+        sub[d] = ix.const(0)
+        target = self.value(idx, sub)
+        s = self.value(src, sub) if isinstance(src, Value) else literal(src)
+        if isinstance(src, Value):
+            s = self.cast_to(s, src, v)
+        b = self.cast_to(self.value(base, index), base, v) if isinstance(base, Value) else literal(base)
+        return self.tmp(f"tl.where({ix._paren(index[d].code)} == {target}, {s}, {b})")
+
+    # -- the kernel ------------------------------------------------------------------------------
+
+    def build(self) -> KernelSource:
+        sp = self.space
+        members = list(self.members.values())
+        stores = [m for m in members if m.name in self.store_ids]
+        body_start = len(self.lines)
+        for m in stores:
+            canon = self.canonical(m)
+            if canon is None:
+                raise NotFusible(f"{m.name} {m.type} has no place in {sp}")
+            val = self.value(m, canon)
+            off = ix.offset(canon, m.shape, ix.contiguous_strides(m.shape))
+            if sp.reduced and not sp.persistent and ("cindex" in off.vars):
+                raise NotFusible(f"{m.name} is a full-shape result of a looped reduction")
+            self.lines.append(("#store", m, val, off))
+        return self._assemble(stores, body_start)
+
+    def _assemble(self, stores, body_start) -> KernelSource:
+        sp = self.space
+        out_names = {m.name: f"out{k}" for k, m in enumerate(stores)}
+        body = []
+        for line in self.lines[body_start:]:
+            if isinstance(line, tuple):
+                _, m, val, off = line
+                mask = self.mask_for(off.vars)
+                ptr = f"{out_names[m.name]} + {ix._paren(off.code)}" if off.code != "0" else out_names[m.name]
+                stored = f"{val}.to({TL_DTYPES[m.dtype]})" if compute_dtype(m.dtype) != m.dtype else val
+                body.append(f"tl.store({ptr}, {stored}" + (f", mask={mask})" if mask else ")"))
+            else:
+                body.append(line)
+        params = [self.loads[v.name] for v in self.load_values] + [out_names[m.name] for m in stores]
+        for v in self.runtime:
+            params += [f"{self.loads[v.name]}_s{d}" for d in range(v.ndim)]
+        head, constexprs, grid, warps = self._prologue("tl.int64" if self.int64 else None)
+        sig = ", ".join(params + [f"{c}: tl.constexpr" for c in constexprs])
+        header = self._header(stores)
+        lines = header + ["@triton.jit", f"def {self.name}({sig}):"] + ["    " + x for x in head + body]
+        source = "\n".join(lines) + "\n"
+        bytes_read = sum(v.type.numel() * v.dtype.itemsize for v in self.load_values)
+        bytes_written = sum(m.type.numel() * m.dtype.itemsize for m in stores)
+        return KernelSource(
+            self.name,
+            source,
+            sp,
+            list(self.load_values),
+            stores,
+            list(self.runtime),
+            grid,
+            constexprs,
+            warps,
+            sorted(self.instrs),
+            bytes_read,
+            bytes_written,
+            self.int64,
+            self.reads_at,
+        )
+
+    def _prologue(self, index_ty):
+        sp = self.space
+        pid = "tl.program_id(0)" if index_ty is None else f"tl.program_id(0).to({index_ty})"
+        if not sp.reduced:
+            block = H.next_pow2(sp.numel)
+            block = min(block, H.INTERPRET_POINTWISE_BLOCK if self.interpret else H.GPU_POINTWISE_BLOCK)
+            head = [f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)", f"xmask = xindex < {sp.numel}"]
+            return head, {"XBLOCK": block}, (-(-sp.numel // block),), H.num_warps(block)
+        if sp.persistent:
+            cblock = H.next_pow2(sp.cols)
+            tile = H.INTERPRET_TILE_ELEMENTS if self.interpret else H.GPU_TILE_ELEMENTS
+            rblock = max(1, min(H.next_pow2(sp.rows), tile // cblock))
+            head = [
+                f"rindex = {pid} * RBLOCK + tl.arange(0, RBLOCK)[:, None]",
+                f"rmask = rindex < {sp.rows}",
+                "cindex = tl.arange(0, CBLOCK)[None, :]",
+                f"cmask = cindex < {sp.cols}",
+            ]
+            return head, {"RBLOCK": rblock, "CBLOCK": cblock}, (-(-sp.rows // rblock),), H.num_warps(rblock * cblock)
+        cblock = H.INTERPRET_LOOP_COLS if self.interpret else H.GPU_LOOP_COLS
+        rblock = min(H.next_pow2(sp.rows), H.INTERPRET_LOOP_ROWS if self.interpret else H.GPU_LOOP_ROWS)
+        head = [f"rindex = {pid} * RBLOCK + tl.arange(0, RBLOCK)[:, None]", f"rmask = rindex < {sp.rows}"]
+        return head, {"RBLOCK": rblock, "CBLOCK": cblock, "COLS": sp.cols}, (-(-sp.rows // rblock),), H.num_warps(rblock * cblock)
+
+    def _header(self, stores) -> list[str]:
+        prog = self.a.program
+        lines = [f"# {self.name}: {self.space}"]
+        for k in sorted(self.instrs):
+            lines.append("#   " + format_instr(prog.instrs[k]))
+        rd = sum(v.type.numel() * v.dtype.itemsize for v in self.load_values)
+        wr = sum(m.type.numel() * m.dtype.itemsize for m in stores)
+        read_names = ", ".join(v.name for v in self.load_values) or "nothing"
+        lines.append(f"# reads {rd} bytes ({read_names}), writes {wr} bytes ({', '.join(m.name for m in stores)})")
+        return lines
+
+
+def normalize_slice(size: int, start, end, step) -> tuple[int, int, int]:
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return start, end, step
+
+
+def one_hot_scatter(instr) -> bool:
+    """scatter(base, index, src) with one index per row along `dim`: a pointwise where()."""
+    base, idx, src = instr.inputs
+    if not isinstance(idx, Value) or not isinstance(base, Value):
+        return False
+    d = instr.attrs["dim"] % base.ndim
+    if idx.ndim != base.ndim or idx.shape[d] != 1:
+        return False
+    if any(idx.shape[k] != base.shape[k] for k in range(base.ndim) if k != d):
+        return False
+    return not isinstance(src, Value) or tuple(src.shape) == tuple(idx.shape)

@@ -1,0 +1,341 @@
+"""Partition a program into fused Triton kernels and library calls.
+
+1. Every instruction is fusible (pointwise with a lowering, sum, layout, full, arange, and the
+   where-shaped cat / slice_scatter / select_scatter / one-hot scatter) or a library call
+   (matmul, convolution and attention backward, index ops, scans, opaque nodes).
+2. Some fusible values must live in memory ("realized"): the gradients the program returns, the
+   inputs of library calls, every sum, and values read more than once (recomputing them in
+   every reader could multiply the work). Layout ops never realize: they become indexing.
+3. Each realized value starts as its own kernel. In program order, a kernel merges into an
+   earlier one when they share an iteration space, the merge creates no cycle through other
+   steps, and code generation proves that every member read inside the kernel is read at the
+   index where it is computed. A pointwise kernel joins a reduction kernel over the same
+   elements; a row-persistent reduction takes its broadcasting consumers in.
+4. Members that no other step reads are not stored at all.
+
+Every decision not to fuse is kept with its reason (`GPUAUTOGRAD_DEBUG=3` prints them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..codegen.kernel import Emitter, KernelSource, NotFusible, Space, one_hot_scatter
+from ..codegen.lowering import LIBRARY_POINTWISE, LOWERINGS
+from ..fusion import heuristics as H
+from ..fusion.indexing import contiguous_strides
+from ..ir.ops import LAYOUT, POINTWISE, get_op
+from ..ir.printer import format_instr
+from ..ir.program import Instr, Program, Value
+
+VIEW_LAYOUT = {"reshape", "permute", "expand", "slice", "select", "flip"}
+WHERE_OPS = {"cat", "slice_scatter", "select_scatter"}
+
+
+def fusible_reason(instr: Instr) -> str | None:
+    """None when the instruction can be generated inside a kernel, else why it can't."""
+    op = instr.op
+    outs = [o for o in instr.outputs if o is not None]
+    if any(o.type.numel() == 0 for o in outs):
+        return "an empty result needs no kernel"
+    if any(isinstance(x, Value) and x.type.numel() == 0 for x in instr.inputs):
+        return "an empty operand"
+    if any(o.dtype.is_complex for o in outs):
+        return "complex values"
+    if op in VIEW_LAYOUT or op in WHERE_OPS or op in ("sum", "full", "arange"):
+        return None
+    if op == "scatter":
+        return None if one_hot_scatter(instr) else "scatter with several indices per row"
+    kind = get_op(op).kind
+    if kind == POINTWISE:
+        if op in LOWERINGS:
+            return None
+        return LIBRARY_POINTWISE.get(op, f"no Triton lowering for {op}")
+    return f"{kind} op"
+
+
+class Analysis:
+    """Def-use facts about the program that the planner and the emitter share."""
+
+    def __init__(self, program: Program, input_strides: dict[str, tuple[int, ...]]):
+        self.program = program
+        self.producer: dict[str, Instr] = {}
+        self.position: dict[str, int] = {}
+        self.users: dict[str, list[int]] = {}
+        self.reasons: dict[str, str | None] = {}
+        for k, instr in enumerate(program.instrs):
+            self.position[id(instr)] = k
+            self.reasons[k] = fusible_reason(instr)
+            for o in instr.outputs:
+                if o is not None:
+                    self.producer[o.name] = instr
+            for x in instr.inputs:
+                if isinstance(x, Value):
+                    self.users.setdefault(x.name, []).append(k)
+        self.input_strides = input_strides
+        self.realized: set[str] = set()
+
+    def fusible(self, instr: Instr) -> bool:
+        return self.reasons[self.position[id(instr)]] is None
+
+    def is_view(self, v: Value) -> bool:
+        instr = self.producer.get(v.name)
+        return instr is not None and instr.op in VIEW_LAYOUT and self.fusible(instr)
+
+    def base(self, v: Value) -> Value:
+        """Follow fusible layout ops back to the value that owns the memory."""
+        while self.is_view(v):
+            v = self.producer[v.name].inputs[0]
+        return v
+
+    def runtime_strides(self, v: Value) -> bool:
+        """Library results keep the strides their library chose, read at run time."""
+        return v.name not in self.input_strides and v.name not in self.realized
+
+    def strides(self, v: Value, param: str):
+        if v.name in self.input_strides:
+            return self.input_strides[v.name]
+        if v.name in self.realized:
+            return contiguous_strides(v.shape)
+        return tuple(f"{param}_s{d}" for d in range(v.ndim))
+
+
+@dataclass
+class Kernel:
+    space: Space
+    members: list[Value]
+    first: int  # program position of its first member, for the schedule's order
+    source: KernelSource | None = None
+
+
+@dataclass
+class Library:
+    instr: Instr
+    position: int
+
+
+@dataclass
+class FusionPlan:
+    program: Program
+    analysis: Analysis
+    steps: list  # Kernel | Library, in execution order
+    decisions: list[str] = field(default_factory=list)
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return [s for s in self.steps if isinstance(s, Kernel)]
+
+
+def _space_of(analysis: Analysis, v: Value) -> Space:
+    instr = analysis.producer[v.name]
+    if instr.op == "sum":
+        x = instr.inputs[0]
+        dims = tuple(instr.attrs["dims"])
+        if dims and any(x.shape[d] != 1 for d in dims):
+            return Space(tuple(x.shape), dims)
+    return Space(tuple(v.shape))
+
+
+def _effective_uses(analysis: Analysis, v: Value, outputs: set[str]) -> int:
+    n = 1 if v.name in outputs else 0
+    for k in analysis.users.get(v.name, ()):
+        instr = analysis.program.instrs[k]
+        if instr.op in VIEW_LAYOUT and analysis.reasons[k] is None:
+            n += sum(_effective_uses(analysis, o, outputs) for o in instr.outputs if o is not None)
+        else:
+            n += 1
+    return n
+
+
+def choose_realized(analysis: Analysis, decisions: list[str]) -> None:
+    prog = analysis.program
+    outputs = {v.name for v, _ in prog.outputs if v is not None}
+    realized = analysis.realized
+
+    def realize(v: Value, why: str) -> None:
+        instr = analysis.producer.get(v.name)
+        if instr is None or not analysis.fusible(instr) or v.name in realized:
+            return
+        realized.add(v.name)
+        decisions.append(f"{v.name} lives in memory: {why}")
+
+    for v, _ in prog.outputs:
+        if v is not None:
+            realize(analysis.base(v), "a gradient the program returns")
+    for k, instr in enumerate(prog.instrs):
+        if analysis.reasons[k] is not None:
+            for x in instr.inputs:
+                if isinstance(x, Value):
+                    realize(analysis.base(x), f"input of the library call {instr.op} ({analysis.reasons[k]})")
+            continue
+        if instr.op in VIEW_LAYOUT:
+            continue
+        for o in instr.outputs:
+            if o is None:
+                continue
+            if instr.op == "sum" and _space_of(analysis, o).reduced:
+                realize(o, "a reduction")
+            elif instr.op not in ("full", "arange") and _effective_uses(analysis, o, outputs) >= 2:
+                realize(o, "read by several instructions")
+
+
+def plan_fusion(program: Program, input_strides: dict[str, tuple[int, ...]], interpret: bool) -> FusionPlan:
+    analysis = Analysis(program, input_strides)
+    decisions: list[str] = []
+    for k, reason in analysis.reasons.items():
+        if reason is not None:
+            decisions.append(f"not fused: {format_instr(program.instrs[k])}: {reason}")
+    choose_realized(analysis, decisions)
+
+    kernels: list[Kernel] = []
+    for k, instr in enumerate(program.instrs):
+        if analysis.reasons[k] is None:
+            for o in instr.outputs:
+                if o is not None and o.name in analysis.realized:
+                    kernels.append(Kernel(_space_of(analysis, o), [o], k))
+    libraries = [Library(instr, k) for k, instr in enumerate(program.instrs) if analysis.reasons[k] is not None]
+
+    names = iter(range(1 << 30))
+    for kernel in kernels:
+        kernel.source = _emit(analysis, kernel, None, f"k{next(names)}", interpret)
+
+    merged: list[Kernel] = []
+    for kernel in kernels:
+        target = None
+        for cand in reversed(merged[-H.MERGE_WINDOW :]):
+            space = _merged_space(cand.space, kernel.space)
+            if space is None:
+                continue
+            if _path_between(analysis, merged, libraries, cand, kernel):
+                decisions.append(f"not merged: {_names(kernel)} into {_names(cand)}: a step between them links the two")
+                continue
+            trial = Kernel(space, cand.members + kernel.members, cand.first)
+            try:
+                trial.source = _emit(analysis, trial, None, "trial", interpret)
+            except NotFusible as e:
+                decisions.append(f"not merged: {_names(kernel)} into {_names(cand)}: {e}")
+                continue
+            target = (cand, trial)
+            break
+        if target is None:
+            merged.append(kernel)
+        else:
+            cand, trial = target
+            merged[merged.index(cand)] = trial
+
+    steps = _schedule(analysis, merged, libraries)
+    _finalize(analysis, steps, interpret)
+    return FusionPlan(program, analysis, steps, decisions)
+
+
+def _names(kernel: Kernel) -> str:
+    return ",".join(m.name for m in kernel.members)
+
+
+def _merged_space(a: Space, b: Space) -> Space | None:
+    if a == b:
+        return a
+    if not a.reduced and not b.reduced:
+        return None  # different pointwise shapes: a reshape would do, but the plan keeps them apart
+    if not a.reduced and a.numel == b.numel:
+        return b
+    if not b.reduced and a.numel == b.numel:
+        return a
+    return None
+
+
+def _emit(analysis, kernel: Kernel, stores, name: str, interpret: bool) -> KernelSource:
+    return Emitter(analysis, kernel.space, kernel.members, stores, name, interpret).build()
+
+
+def _step_reads(analysis: Analysis, step) -> set[str]:
+    if isinstance(step, Kernel):
+        return {v.name for v in step.source.loads}
+    return {analysis.base(x).name for x in step.instr.inputs if isinstance(x, Value)}
+
+
+def _step_writes(step) -> set[str]:
+    if isinstance(step, Kernel):
+        return {m.name for m in step.members}
+    return {o.name for o in step.instr.outputs if o is not None}
+
+
+def _path_between(analysis, kernels, libraries, a: Kernel, b: Kernel) -> bool:
+    """Is there a path a -> other steps -> b, or b -> other steps -> a?"""
+    steps = [s for s in kernels if s is not a] + libraries + [b]
+    writer = {}
+    for s in steps + [a]:
+        for v in _step_writes(s):
+            writer[v] = s
+    succ: dict[int, list] = {}
+    for s in steps + [a]:
+        for v in _step_reads(analysis, s):
+            w = writer.get(v)
+            if w is not None and w is not s:
+                succ.setdefault(id(w), []).append(s)
+
+    def reaches(src, dst) -> bool:
+        stack = [t for t in succ.get(id(src), []) if t is not dst]
+        seen = set()
+        while stack:
+            s = stack.pop()
+            if id(s) in seen:
+                continue
+            seen.add(id(s))
+            if any(t is dst for t in succ.get(id(s), [])):
+                return True
+            stack.extend(succ.get(id(s), []))
+        return False
+
+    return reaches(a, b) or reaches(b, a)
+
+
+def _schedule(analysis: Analysis, kernels: list[Kernel], libraries: list[Library]) -> list:
+    """Topological order of the steps, keeping program order where the data allows."""
+    steps = kernels + libraries
+    writer = {}
+    for s in steps:
+        for v in _step_writes(s):
+            writer[v] = s
+    preds: dict[int, set[int]] = {id(s): set() for s in steps}
+    for s in steps:
+        for v in _step_reads(analysis, s):
+            w = writer.get(v)
+            if w is not None and w is not s:
+                preds[id(s)].add(id(w))
+    order = []
+    done: set[int] = set()
+    pending = sorted(steps, key=lambda s: s.first if isinstance(s, Kernel) else s.position)
+    while pending:
+        for i, s in enumerate(pending):
+            if preds[id(s)] <= done:
+                order.append(s)
+                done.add(id(s))
+                pending.pop(i)
+                break
+        else:
+            raise RuntimeError("fusion produced a cyclic schedule; this is a bug in the planner")
+    return order
+
+
+def _finalize(analysis: Analysis, steps: list, interpret: bool) -> None:
+    """Store only what another step or the caller reads, and give kernels their final names."""
+    prog = analysis.program
+    needed: set[str] = {analysis.base(v).name for v, _ in prog.outputs if v is not None}
+    for s in steps:
+        if isinstance(s, Library):
+            needed |= _step_reads(analysis, s)
+    for s in steps:
+        if isinstance(s, Kernel):
+            own = {m.name for m in s.members}
+            needed |= {v for v in _step_reads(analysis, s) if v not in own}
+    k = 0
+    for s in steps:
+        if isinstance(s, Kernel):
+            stores = {m.name for m in s.members if m.name in needed}
+            s.source = _emit(analysis, s, stores, f"k{k}", interpret)
+            s.members = [m for m in s.members if m.name in stores]
+            k += 1
+
+
+__all__ = ["plan_fusion", "FusionPlan", "Kernel", "Library", "Analysis", "fusible_reason", "LAYOUT"]

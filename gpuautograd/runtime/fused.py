@@ -1,0 +1,243 @@
+"""The fused executors: generated Triton kernels plus library calls, in one generated function.
+
+`compile_fused` plans the fusion, the schedule and the memory, and writes the backward as the
+source of one Python function. Kernel launches appear as calls with their member instructions as
+comments, layout ops on the host are views (no data moves), and library calls are the reference
+implementations. The same plan runs on CUDA ("triton") or, on CPU tensors, through Triton's
+interpreter ("interpret").
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import flags
+from ..codegen.compile import Launcher
+from ..codegen.kernel import KernelSource
+from ..fusion.partition import FusionPlan, Kernel, Library, plan_fusion
+from ..ir.ops import get_op
+from ..ir.printer import format_instr
+from ..ir.program import Program, Value
+from .memory import Interval, MemoryPlan, plan_memory
+
+# Library calls that may hand back their input: what they read must not live in the arena.
+MAY_ALIAS_INPUT = {"opaque", "to_device"}
+
+
+@dataclass
+class KernelInfo:
+    """One generated kernel, as explain() shows it."""
+
+    name: str
+    source: str
+    members: list[str]  # the IR instructions it implements, printed
+    space: str
+    bytes_read: int
+    bytes_written: int
+
+
+class FusedProgram:
+    def __init__(self, fn, source: str, plan: FusionPlan, kernels: list[KernelInfo], memory: MemoryPlan, launches: int, library_bytes: int):
+        self.fn = fn
+        self.source = source
+        self.plan = plan
+        self.kernels = kernels
+        self.memory = memory
+        self.launches = launches
+        self.library_bytes = library_bytes
+
+    def __call__(self, args: list):
+        return self.fn(args)
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(k.bytes_read + k.bytes_written for k in self.kernels) + self.library_bytes
+
+
+def _local(v: Value) -> str:
+    return v.name[1:] if v.prefix else "v" + str(v.id)
+
+
+def _nbytes(v: Value) -> int:
+    return v.type.numel() * v.dtype.itemsize
+
+
+def input_strides_of(program: Program, tensors: list) -> dict[str, tuple[int, ...]]:
+    """Strides of the program's tensor inputs (guarded by the cache key, so fixed per plan)."""
+    out = {}
+    for (v, _), t in zip(program.inputs, tensors):
+        if isinstance(t, torch.Tensor):
+            out[v.name] = tuple(t.stride())
+    return out
+
+
+def compile_fused(program: Program, input_strides: dict[str, tuple[int, ...]], interpret: bool) -> FusedProgram:
+    plan = plan_fusion(program, input_strides, interpret)
+    return _Writer(plan, interpret).write()
+
+
+class _Writer:
+    def __init__(self, plan: FusionPlan, interpret: bool) -> None:
+        self.plan = plan
+        self.a = plan.analysis
+        self.interpret = interpret
+        self.env: dict = {"torch": torch}
+        self.lines: list[str] = []
+        self.host: dict[str, str] = {}
+
+    # -- liveness and memory ---------------------------------------------------------------------
+
+    def _uses(self) -> dict[str, int]:
+        """value id (a base buffer) -> the last step that reads it, through views included."""
+        last: dict[str, int] = {}
+        for k, step in enumerate(self.plan.steps):
+            for x in self._step_inputs(step):
+                last[self.a.base(x).name] = k
+        return last
+
+    def _step_inputs(self, step) -> list[Value]:
+        if isinstance(step, Kernel):
+            return list(step.source.loads)
+        return [x for x in step.instr.inputs if isinstance(x, Value)]
+
+    def _plan_memory(self) -> MemoryPlan:
+        prog = self.plan.program
+        escaping = {self.a.base(v).name for v, _ in prog.outputs if v is not None}
+        for step in self.plan.steps:
+            if isinstance(step, Library) and step.instr.op in MAY_ALIAS_INPUT:
+                escaping |= {self.a.base(x).name for x in step.instr.inputs if isinstance(x, Value)}
+        last = self._uses()
+        intervals = []
+        for k, step in enumerate(self.plan.steps):
+            if isinstance(step, Kernel):
+                for m in step.source.stores:
+                    if m.name not in escaping:
+                        intervals.append(Interval(m.name, _nbytes(m), k, last.get(m.name, k)))
+        return plan_memory(intervals)
+
+    # -- source ----------------------------------------------------------------------------------
+
+    def emit_host(self, v: Value) -> str:
+        """The local holding `v` on the host: a buffer, or a view of one made by torch."""
+        name = self.host.get(v.name)
+        if name is not None:
+            return name
+        instr = self.a.producer[v.name]
+        src = self.emit_host(instr.inputs[0])
+        fn = f"{instr.op}_{self.a.position[id(instr)]}"
+        self.env[fn] = functools.partial(get_op(instr.op).impl, **instr.attrs)
+        name = _local(v)
+        self.lines.append(f"    {name} = {fn}({src})  # view")
+        self.host[v.name] = name
+        return name
+
+    def write(self) -> FusedProgram:
+        plan = self.plan
+        prog = plan.program
+        memory = self._plan_memory()
+        device = next((v.device for v, _ in prog.inputs if hasattr(v.type, "shape")), torch.device("cpu"))
+        self.lines = ["def backward(args):"]
+        params = [_local(v) for v, _ in prog.inputs]
+        if params:
+            self.lines.append(f"    {', '.join(params)}, = args")
+            self.lines.append("    args.clear()  # the program now holds the only references")
+        for v, _ in prog.inputs:
+            self.host[v.name] = _local(v)
+        if memory.arena_bytes:
+            self.lines.append(f"    # {memory.summary()}")
+            self.lines.append(f"    arena = torch.empty({memory.arena_bytes}, dtype=torch.uint8, device={str(device)!r})")
+
+        kernels: list[KernelInfo] = []
+        launches = 0
+        library_bytes = 0
+        for step in plan.steps:
+            launches += 1
+            if isinstance(step, Kernel):
+                kernels.append(self.write_kernel(step.source, memory, device))
+            else:
+                library_bytes += self.write_library(step)
+        rets = ["None" if v is None else self.emit_host(v) for v, _ in prog.outputs]
+        self.lines.append(f"    return ({', '.join(rets)}{',' if len(rets) == 1 else ''})")
+        source = "\n".join(self.lines) + "\n"
+        exec(compile(source, "<gpuautograd fused backward>", "exec"), self.env)
+        return FusedProgram(self.env["backward"], source, plan, kernels, memory, launches, library_bytes)
+
+    def write_kernel(self, ks: KernelSource, memory: MemoryPlan, device) -> KernelInfo:
+        prog = self.plan.program
+        launcher = Launcher(ks, self.interpret, _reference_fallback(prog, ks))
+        self.env[ks.name] = launcher
+        members = [format_instr(prog.instrs[k]) for k in ks.instrs]
+        self.lines.append(f"    # {ks.name}: {ks.space}, {len(members)} instructions")
+        for text in members:
+            self.lines.append(f"    #   {text}")
+        for m in ks.stores:
+            name = _local(m)
+            shape = tuple(m.shape)
+            if m.name in memory.offsets:
+                off = memory.offsets[m.name]
+                self.lines.append(f"    {name} = arena[{off}:{off + _nbytes(m)}].view({m.dtype}).view({shape})")
+            else:
+                self.lines.append(f"    {name} = torch.empty({shape}, dtype={m.dtype}, device={str(device)!r})")
+            self.host[m.name] = name
+        args = [self.emit_host(v) for v in ks.loads] + [_local(m) for m in ks.stores]
+        for v in ks.runtime_strides:
+            args.append(f"*{self.emit_host(v)}.stride()")
+        self.lines.append(f"    {ks.name}({', '.join(args)})")
+        return KernelInfo(ks.name, ks.source, members, str(ks.space), ks.bytes_read, ks.bytes_written)
+
+    def write_library(self, step: Library) -> int:
+        instr = step.instr
+        fn = f"{instr.op}_{step.position}"
+        impl = get_op(instr.op).impl
+        self.env[fn] = functools.partial(impl, **instr.attrs) if instr.attrs else impl
+        args = []
+        nbytes = 0
+        for x in instr.inputs:
+            if isinstance(x, Value):
+                args.append(self.emit_host(x))
+                nbytes += _nbytes(x) if hasattr(x.type, "shape") else 0
+            elif isinstance(x, float) and not math.isfinite(x):
+                const = f"const_{len(self.env)}"
+                self.env[const] = x
+                args.append(const)
+            else:
+                args.append(repr(x))
+        outs = ["_" if o is None else _local(o) for o in instr.outputs]
+        for o in instr.outputs:
+            if o is not None:
+                self.host[o.name] = _local(o)
+                nbytes += _nbytes(o)
+        many = len(outs) > 1 or instr.op == "opaque"
+        lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
+        self.lines.append(f"    {lhs} = {fn}({', '.join(args)})  # library: {format_instr(instr)}")
+        return nbytes
+
+
+def _reference_fallback(program: Program, ks: KernelSource):
+    """The kernel's instructions run as reference torch ops, written into the kernel's outputs."""
+    instrs = [program.instrs[k] for k in ks.instrs]
+
+    def run(inputs, outputs):
+        env = {v.name: t for v, t in zip(ks.loads, inputs)}
+        with torch.no_grad():
+            for instr in instrs:
+                args = [env[x.name] if isinstance(x, Value) else x for x in instr.inputs]
+                res = get_op(instr.op).impl(*args, **instr.attrs)
+                res = res if isinstance(res, tuple) else (res,)
+                for o, r in zip(instr.outputs, res):
+                    if o is not None:
+                        env[o.name] = r
+            for m, out in zip(ks.stores, outputs):
+                out.copy_(env[m.name])
+
+    return run
+
+
+def fusion_report(fp: FusedProgram) -> str:
+    if flags.debug_level() < 3:
+        return ""
+    return "\n".join(fp.plan.decisions)

@@ -319,6 +319,28 @@ def validate(
     return rows
 
 
+def compile_check(tensors, grad_tensors=None, inputs=None, *, archs: Sequence[int] = (80, 90)):
+    """Compile every kernel of the backward of `tensors` for each CUDA architecture, ahead of time
+    and without a GPU (the tensors may live on the CPU). Returns a CompileReport with `.compiled`
+    (successful kernel x arch compilations) and `.failures` (kernel, arch, the compiler's message).
+    Nothing runs and nothing is freed."""
+    from .aot import CompileReport, compile_kernels
+
+    tensors = _as_tuple(tensors)
+    inputs = _as_tuple(inputs)
+    _check_roots(tensors)
+    grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
+    accumulate = not inputs
+    w, _key, root_edges, input_edges = engine.prepare(list(tensors), grads, list(inputs), accumulate, "reference")
+    if w.hook_reason:
+        raise ValueError(f"compile_check: this backward would run eagerly ({w.hook_reason}), so it has no kernels")
+    entry = engine.build_entry(w, grads, root_edges, input_edges, accumulate, "triton")
+    if entry.program is None:
+        raise ValueError(f"compile_check: this backward would run eagerly ({entry.fallback_reason}), so it has no kernels")
+    sources = [step.source for step in entry.compiled.plan.kernels]
+    return compile_kernels(sources, archs, CompileReport())
+
+
 def stats() -> dict:
     """Captures, cache hits, cache misses with the guard that failed, fallbacks with their reason."""
     out = _stats.STATS.snapshot()

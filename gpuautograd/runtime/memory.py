@@ -15,7 +15,7 @@ from ..fusion.heuristics import ARENA_ALIGNMENT
 
 @dataclass(frozen=True)
 class Interval:
-    key: int  # value id
+    key: str  # the value's name
     nbytes: int
     start: int  # step that writes it
     end: int  # last step that reads it
@@ -23,7 +23,7 @@ class Interval:
 
 @dataclass
 class MemoryPlan:
-    offsets: dict[str, int]  # value id -> byte offset in the arena
+    offsets: dict[str, int]  # value name -> byte offset in the arena
     arena_bytes: int  # the planned peak
     total_bytes: int  # what the intermediates would take without reuse
 

@@ -1,0 +1,82 @@
+"""Launches and bytes moved per backward: gpuautograd's fused plan against eager torch.
+
+For each model of the suite: the aten ops that eager `loss.backward()` dispatches (counted with a
+TorchDispatchMode, all ops and the ones that are not views), the launches of the fused plan
+(generated kernels plus library calls, from `explain().launches`), and the bytes each moves
+(eager: inputs plus outputs of every non-view op; fused: the plan's kernels and library calls).
+
+    python -m bench.launches [--dtype float32]
+
+The plan is the same partition on every device; planning happens on the CPU here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gpuautograd
+
+from .models import SUITE
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.compute_ops = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        if not func.is_view and func not in (torch.ops.aten.detach.default,):
+            self.compute_ops += 1
+            tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(a, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def measure(name: str, dtype: torch.dtype) -> dict:
+    model, make_batch, loss_fn = SUITE[name](dtype=dtype)
+    batch = make_batch(torch.Generator().manual_seed(0))
+    loss = loss_fn(model, *batch)
+    e = gpuautograd.explain(loss, backend="interpret")
+    with CountOps() as counter:
+        loss.backward()
+    return {
+        "model": name,
+        "nodes": e.num_nodes,
+        "eager_ops": counter.ops,
+        "eager_compute_ops": counter.compute_ops,
+        "launches": e.launches,
+        "kernels": len(e.kernels),
+        "eager_bytes": counter.bytes,
+        "planned_bytes": e.bytes_moved,
+        "memory": e.memory,
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    header = f"{'model':<16}{'nodes':>6}{'eager ops':>10}{'(compute)':>10}{'launches':>9}{'kernels':>8}{'ops/launch':>11}"
+    header += f"{'eager MB':>9}{'plan MB':>9}{'bytes':>7}"
+    print(f"launches per backward, {args.dtype}: eager aten ops (TorchDispatchMode) vs the fused plan")
+    print(header)
+    for name in SUITE:
+        r = measure(name, dtype)
+        print(
+            f"{r['model']:<16}{r['nodes']:>6}{r['eager_ops']:>10}{r['eager_compute_ops']:>10}{r['launches']:>9}{r['kernels']:>8}"
+            f"{r['eager_ops'] / r['launches']:>10.1f}x{r['eager_bytes'] / 1e6:>9.2f}{r['planned_bytes'] / 1e6:>9.2f}"
+            f"{r['planned_bytes'] / r['eager_bytes']:>6.2f}x"
+        )
+        print(f"{'':<16}memory: {r['memory']}")
+
+
+if __name__ == "__main__":
+    main()

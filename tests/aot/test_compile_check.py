@@ -64,3 +64,32 @@ def test_command_line(capsys):
     assert out.startswith("llama: compile_check:") and "0 failed" in out
     with pytest.raises(SystemExit):
         main(["compile-check", "--model", "no-such-model"])
+
+
+def _large_program(rows: int, cols: int):
+    """A softmax-like backward over a tensor too large for int32 offsets (planning only)."""
+    from gpuautograd.ir.builder import Builder
+    from gpuautograd.ir.program import InputSpec, OutputSpec
+    from gpuautograd.ir.types import TensorType
+
+    cpu = torch.device("cpu")
+    b = Builder()
+    g = b.input(TensorType((rows, cols), torch.bfloat16, cpu), InputSpec("grad", 0, "grad_output0"))
+    y = b.input(TensorType((rows, cols), torch.bfloat16, cpu), InputSpec("saved", 0, "SoftmaxBackward0.result"))
+    gy = b.mul(g, y)
+    s = b.sum(gy, dims=1, keepdim=True)
+    b.output(b.sub(gy, b.mul(y, b.expand(s, (rows, cols)))), OutputSpec("leaf", 0, "leaf0.grad"))
+    return b.program
+
+
+@pytest.mark.parametrize("rows, cols, int64", [(3000, 1000, False), (300000, 8000, True)])
+def test_indexing_switches_to_int64_when_offsets_need_it(rows, cols, int64):
+    from gpuautograd.runtime.fused import compile_fused
+
+    program = _large_program(rows, cols)
+    strides = {v.name: (cols, 1) for v, _ in program.inputs}
+    fused = compile_fused(program, strides, interpret=False)
+    (kernel,) = fused.plan.kernels
+    assert ("tl.int64" in kernel.source.source) == int64, kernel.source.source
+    assert "tl.float32" in kernel.source.source  # bf16 accumulates in fp32
+    aot.compile_ahead(kernel.source, 90)

@@ -52,8 +52,14 @@ class Space:
         return _prod(self.shape)
 
     @property
-    def persistent(self) -> bool:
+    def fits_a_block(self) -> bool:
+        """A whole reduced row fits in one block, so a row-persistent kernel is possible."""
         return self.cols <= H.MAX_PERSISTENT_COLS
+
+    @property
+    def column_reduction(self) -> bool:
+        """The innermost dim is kept: rows are contiguous in memory, reduced columns are strided."""
+        return bool(self.reduced) and len(self.shape) - 1 not in self.reduced
 
     def __str__(self) -> str:
         dims = "x".join(map(str, self.shape))
@@ -86,7 +92,9 @@ class KernelSource:
 
 
 class Emitter:
-    def __init__(self, analysis, space: Space, members: list[Value], stores: set[str] | None, name: str, interpret: bool):
+    def __init__(
+        self, analysis, space: Space, members: list[Value], stores: set[str] | None, name: str, interpret: bool, looped: bool = False
+    ):
         self.a = analysis
         self.space = space
         self.members = {m.name: m for m in members}
@@ -102,6 +110,7 @@ class Emitter:
         self.instrs: set[str] = set()
         self.reads_at: dict[str, set] = {}
         self.in_loop = False
+        self.looped = looped  # reductions walk the columns in a loop instead of holding whole rows
         self.sum_values: dict[str, str] = {}
         self.int64 = self._needs_int64()
 
@@ -287,33 +296,16 @@ class Emitter:
             return self.cast_to(self.value(x, src), x, v)
         if v.name not in self.members or not self._is_space_sum(instr):
             raise NotFusible(f"{v.name} = sum over {reduced} is not this kernel's reduction ({self.space})")
-        if self.in_loop:
-            raise NotFusible(f"{v.name} = sum is read inside another sum's column loop")
         hit = self.sum_values.get(v.name)
         if hit is not None:
             return hit
+        if self.looped:  # the column loop computed every sum of the kernel before anything reads one
+            raise NotFusible(f"{v.name} = sum is read inside the column loop of a looped reduction")
         acc = TL_DTYPES[compute_dtype(v.dtype)]
-        if self.space.persistent:
-            body = self.value(x, self.space_index())
-            out = self.tmp(f"tl.reduce(tl.where(rmask & cmask, {body}, 0).to({acc}), 1, tl.standard._sum_combine, keep_dims=True)")
-        else:
-            out = self.looped_sum(x, acc)
+        body = self.value(x, self.space_index())
+        out = self.tmp(f"tl.reduce(tl.where(rmask & cmask, {body}, 0).to({acc}), 1, tl.standard._sum_combine, keep_dims=True)")
         self.sum_values[v.name] = out
         return out
-
-    def looped_sum(self, x: Value, acc: str) -> str:
-        name = f"acc{len(self.sum_values)}"
-        self.lines.append(f"{name} = tl.zeros([RBLOCK, CBLOCK], {acc})")
-        self.lines.append("for c0 in range(0, COLS, CBLOCK):")
-        outer_lines, outer_memo = self.lines, self.memo
-        self.lines, self.memo, self.in_loop = [], {}, True
-        self.lines.append("cindex = c0 + tl.arange(0, CBLOCK)[None, :]")
-        self.lines.append("cmask = cindex < COLS")
-        body = self.value(x, self.space_index())
-        self.lines.append(f"{name} += tl.where(rmask & cmask, {body}, 0).to({acc})")
-        outer_lines.extend("    " + line for line in self.lines)
-        self.lines, self.memo, self.in_loop = outer_lines, outer_memo, False
-        return self.tmp(f"tl.reduce({name}, 1, tl.standard._sum_combine, keep_dims=True)")
 
     def cast_to(self, expr: str, x: Value, v: Value) -> str:
         if compute_dtype(x.dtype) == compute_dtype(v.dtype):
@@ -387,29 +379,58 @@ class Emitter:
         sp = self.space
         members = list(self.members.values())
         stores = [m for m in members if m.name in self.store_ids]
-        body_start = len(self.lines)
+        placed = []
         for m in stores:
             canon = self.canonical(m)
             if canon is None:
                 raise NotFusible(f"{m.name} {m.type} has no place in {sp}")
-            val = self.value(m, canon)
-            off = ix.offset(canon, m.shape, ix.contiguous_strides(m.shape))
-            if sp.reduced and not sp.persistent and ("cindex" in off.vars):
-                raise NotFusible(f"{m.name} is a full-shape result of a looped reduction")
-            self.lines.append(("#store", m, val, off))
-        return self._assemble(stores, body_start)
+            placed.append((m, canon, ix.offset(canon, m.shape, ix.contiguous_strides(m.shape))))
+        if self.looped:
+            placed = self._column_loop(members, placed)
+        for m, canon, off in placed:
+            self.lines.append(("#store", m, self.value(m, canon), off))
+        return self._assemble(stores)
 
-    def _assemble(self, stores, body_start) -> KernelSource:
+    def _column_loop(self, members, placed):
+        """Looped reductions: one walk over the columns accumulates every sum and stores every
+        full-shape member; what depends on a sum is computed after the loop, per row."""
+        sums = [m for m in members if (i := self.a.producer.get(m.name)) is not None and i.op == "sum" and self._is_space_sum(i)]
+        accs = []
+        for k, s in enumerate(sums):
+            accs.append((s, f"acc{k}", TL_DTYPES[compute_dtype(s.dtype)]))
+            self.lines.append(f"acc{k} = tl.full([RBLOCK, CBLOCK], 0, {accs[-1][2]})")
+        self.lines.append("for c0 in range(0, COLS, CBLOCK):")
+        outer_lines, outer_memo = self.lines, self.memo
+        self.lines, self.memo, self.in_loop = [], {}, True
+        self.lines.append("cindex = c0 + tl.arange(0, CBLOCK)[None, :]")
+        self.lines.append("cmask = cindex < COLS")
+        for s, acc, ty in accs:
+            body = self.value(self.a.producer[s.name].inputs[0], self.space_index())
+            self.lines.append(f"{acc} += tl.where(rmask & cmask, {body}, 0).to({ty})")
+        later = []
+        for m, canon, off in placed:
+            if "cindex" in off.vars:
+                self.lines.append(("#store", m, self.value(m, canon), off))
+            else:
+                later.append((m, canon, off))
+        inner = self.lines
+        self.lines, self.memo, self.in_loop = outer_lines, outer_memo, False
+        self.lines.extend(("    " + line) if isinstance(line, str) else line + ("    ",) for line in inner)
+        for s, acc, _ in accs:
+            self.sum_values[s.name] = self.tmp(f"tl.reduce({acc}, 1, tl.standard._sum_combine, keep_dims=True)")
+        return later
+
+    def _assemble(self, stores) -> KernelSource:
         sp = self.space
         out_names = {m.name: f"out{k}" for k, m in enumerate(stores)}
         body = []
-        for line in self.lines[body_start:]:
+        for line in self.lines:
             if isinstance(line, tuple):
-                _, m, val, off = line
+                _, m, val, off, *indent = line
                 mask = self.mask_for(off.vars)
                 ptr = f"{out_names[m.name]} + {ix._paren(off.code)}" if off.code != "0" else out_names[m.name]
                 stored = f"{val}.to({TL_DTYPES[m.dtype]})" if compute_dtype(m.dtype) != m.dtype else val
-                body.append(f"tl.store({ptr}, {stored}" + (f", mask={mask})" if mask else ")"))
+                body.append("".join(indent) + f"tl.store({ptr}, {stored}" + (f", mask={mask})" if mask else ")"))
             else:
                 body.append(line)
         params = [self.loads[v.name] for v in self.load_values] + [out_names[m.name] for m in stores]
@@ -447,7 +468,7 @@ class Emitter:
             block = min(block, H.INTERPRET_POINTWISE_BLOCK if self.interpret else H.GPU_POINTWISE_BLOCK)
             head = [f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)", f"xmask = xindex < {sp.numel}"]
             return head, {"XBLOCK": block}, (-(-sp.numel // block),), H.num_warps(block)
-        if sp.persistent:
+        if not self.looped:
             cblock = H.next_pow2(sp.cols)
             tile = H.INTERPRET_TILE_ELEMENTS if self.interpret else H.GPU_TILE_ELEMENTS
             rblock = max(1, min(H.next_pow2(sp.rows), tile // cblock))
@@ -458,8 +479,13 @@ class Emitter:
                 f"cmask = cindex < {sp.cols}",
             ]
             return head, {"RBLOCK": rblock, "CBLOCK": cblock}, (-(-sp.rows // rblock),), H.num_warps(rblock * cblock)
-        cblock = H.INTERPRET_LOOP_COLS if self.interpret else H.GPU_LOOP_COLS
-        rblock = min(H.next_pow2(sp.rows), H.INTERPRET_LOOP_ROWS if self.interpret else H.GPU_LOOP_ROWS)
+        if sp.column_reduction:  # many contiguous rows per program, so every load is coalesced
+            tile = H.INTERPRET_TILE_ELEMENTS if self.interpret else H.GPU_TILE_ELEMENTS
+            rblock = min(H.next_pow2(sp.rows), H.INTERPRET_COLUMN_ROWS if self.interpret else H.GPU_COLUMN_ROWS)
+            cblock = max(1, min(H.next_pow2(sp.cols), tile // rblock))
+        else:
+            cblock = min(H.next_pow2(sp.cols), H.INTERPRET_LOOP_COLS if self.interpret else H.GPU_LOOP_COLS)
+            rblock = min(H.next_pow2(sp.rows), H.INTERPRET_LOOP_ROWS if self.interpret else H.GPU_LOOP_ROWS)
         head = [f"rindex = {pid} * RBLOCK + tl.arange(0, RBLOCK)[:, None]", f"rmask = rindex < {sp.rows}"]
         return head, {"RBLOCK": rblock, "CBLOCK": cblock, "COLS": sp.cols}, (-(-sp.rows // rblock),), H.num_warps(rblock * cblock)
 

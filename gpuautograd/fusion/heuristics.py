@@ -15,6 +15,9 @@ GPU_POINTWISE_BLOCK = 1024
 # Looped reductions (rows too long to keep): a chunk of columns per iteration, a few rows per program.
 GPU_LOOP_COLS = 512
 GPU_LOOP_ROWS = 8
+# Column reductions (a bias gradient: sum over tokens, features contiguous) always loop: a
+# row-persistent tile would hold one feature per program and read it with strided loads.
+GPU_COLUMN_ROWS = 64
 
 # The interpreter runs each program instance in Python: fewer, larger blocks are much faster and
 # exercise the same masks and indexing.
@@ -22,6 +25,7 @@ INTERPRET_TILE_ELEMENTS = 1 << 16
 INTERPRET_POINTWISE_BLOCK = 1 << 16
 INTERPRET_LOOP_COLS = 1 << 12
 INTERPRET_LOOP_ROWS = 16
+INTERPRET_COLUMN_ROWS = 256
 
 # How far back the planner looks for a kernel to merge with (bounds the first-call cost).
 MERGE_WINDOW = 24

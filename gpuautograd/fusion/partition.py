@@ -245,7 +245,16 @@ def _merged_space(a: Space, b: Space) -> Space | None:
 
 
 def _emit(analysis, kernel: Kernel, stores, name: str, interpret: bool) -> KernelSource:
-    return Emitter(analysis, kernel.space, kernel.members, stores, name, interpret).build()
+    """Column reductions prefer the looped form (coalesced loads); a kernel whose full-shape
+    members need its sums takes the row-persistent form, when a row fits in one block."""
+    sp = kernel.space
+    if sp.reduced and (sp.column_reduction or not sp.fits_a_block):
+        try:
+            return Emitter(analysis, sp, kernel.members, stores, name, interpret, looped=True).build()
+        except NotFusible:
+            if not sp.fits_a_block:
+                raise
+    return Emitter(analysis, sp, kernel.members, stores, name, interpret).build()
 
 
 def _step_reads(analysis: Analysis, step) -> set[str]:

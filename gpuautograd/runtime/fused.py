@@ -26,6 +26,8 @@ from .memory import Interval, MemoryPlan, plan_memory
 
 # Library calls that may hand back their input: what they read must not live in the arena.
 MAY_ALIAS_INPUT = {"opaque", "to_device"}
+# Library calls that can write into a planned buffer (`out=`), so their results join the arena.
+WRITES_INTO = {"mm": "torch.mm", "bmm": "torch.bmm"}
 
 
 @dataclass
@@ -114,9 +116,14 @@ class _Writer:
         intervals = []
         for k, step in enumerate(self.plan.steps):
             if isinstance(step, Kernel):
-                for m in step.source.stores:
-                    if m.name not in escaping:
-                        intervals.append(Interval(m.name, _nbytes(m), k, last.get(m.name, k)))
+                written = step.source.stores
+            elif step.instr.op in WRITES_INTO:
+                written = step.instr.outputs
+            else:
+                continue
+            for m in written:
+                if m.name not in escaping:
+                    intervals.append(Interval(m.name, _nbytes(m), k, last.get(m.name, k)))
         return plan_memory(intervals)
 
     # -- source ----------------------------------------------------------------------------------
@@ -159,7 +166,7 @@ class _Writer:
             if isinstance(step, Kernel):
                 kernels.append(self.write_kernel(step.source, memory, device))
             else:
-                library_bytes += self.write_library(step)
+                library_bytes += self.write_library(step, memory)
         rets = ["None" if v is None else self.emit_host(v) for v, _ in prog.outputs]
         self.lines.append(f"    return ({', '.join(rets)}{',' if len(rets) == 1 else ''})")
         source = "\n".join(self.lines) + "\n"
@@ -175,22 +182,32 @@ class _Writer:
         for text in members:
             self.lines.append(f"    #   {text}")
         for m in ks.stores:
-            name = _local(m)
-            shape = tuple(m.shape)
-            if m.name in memory.offsets:
-                off = memory.offsets[m.name]
-                self.lines.append(f"    {name} = arena[{off}:{off + _nbytes(m)}].view({m.dtype}).view({shape})")
-            else:
-                self.lines.append(f"    {name} = torch.empty({shape}, dtype={m.dtype}, device={str(device)!r})")
-            self.host[m.name] = name
+            self.allocate(m, memory, device)
         args = [self.emit_host(v) for v in ks.loads] + [_local(m) for m in ks.stores]
         for v in ks.runtime_strides:
             args.append(f"*{self.emit_host(v)}.stride()")
         self.lines.append(f"    {ks.name}({', '.join(args)})")
         return KernelInfo(ks.name, ks.source, members, str(ks.space), ks.bytes_read, ks.bytes_written)
 
-    def write_library(self, step: Library) -> int:
+    def allocate(self, m: Value, memory: MemoryPlan, device) -> str:
+        name = _local(m)
+        shape = tuple(m.shape)
+        if m.name in memory.offsets:
+            off = memory.offsets[m.name]
+            self.lines.append(f"    {name} = arena[{off}:{off + _nbytes(m)}].view({m.dtype}).view({shape})")
+        else:
+            self.lines.append(f"    {name} = torch.empty({shape}, dtype={m.dtype}, device={str(device)!r})")
+        self.host[m.name] = name
+        return name
+
+    def write_library(self, step: Library, memory: MemoryPlan) -> int:
         instr = step.instr
+        out = instr.outputs[0]
+        if instr.op in WRITES_INTO and out.name in memory.offsets:
+            a, b = (self.emit_host(x) for x in instr.inputs)
+            name = self.allocate(out, memory, None)
+            self.lines.append(f"    {WRITES_INTO[instr.op]}({a}, {b}, out={name})  # library: {format_instr(instr)}")
+            return sum(_nbytes(x) for x in instr.inputs) + _nbytes(out)
         fn = f"{instr.op}_{step.position}"
         impl = get_op(instr.op).impl
         self.env[fn] = functools.partial(impl, **instr.attrs) if instr.attrs else impl

@@ -1,8 +1,9 @@
 """The public API: drop-in `backward` and `grad`, plus `enable`, `explain`, `validate`, `stats`.
 
 Signatures and semantics mirror `torch.autograd.backward` and `torch.autograd.grad`. Whatever
-can't be honored functionally (hooks, create_graph, anomaly mode, active saved-tensor hooks, a
-multi-rank process group) runs eager torch.autograd, with a one-time warning naming the reason.
+can't be honored functionally (hooks, create_graph, anomaly mode, active saved-tensor hooks,
+FSDP or other distributed hooks; see gpuautograd/distributed) runs eager torch.autograd, with a
+one-time warning naming the reason.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.autograd as _autograd
 
+from . import distributed
 from .capture import hooks
 from .ir.ops import get_op
 from .ir.program import Program
@@ -27,6 +29,7 @@ _eager_backward = _autograd.backward
 _eager_grad = _autograd.grad
 
 hooks.install()
+distributed.install()  # distributed: records DDP reducers' parameters as DDP builds them
 
 
 def _as_tuple(x) -> tuple:
@@ -56,9 +59,7 @@ def _global_fallback_reason(create_graph: bool) -> str | None:
         return "anomaly detection mode is enabled"
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return "saved-tensor hooks are active"
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        return "a torch.distributed process group with world size > 1 is initialized (DDP/FSDP hooks live in C++)"
-    return None
+    return distributed.global_fallback_reason()  # distributed: what rules out every multi-rank backward
 
 
 def backward(
@@ -85,7 +86,8 @@ def backward(
             if t.grad_fn is not None:
                 t.retain_grad()  # as torch does for non-leaf inputs of backward()
         try:
-            engine.run(list(tensors), grads, retain_graph, list(inputs), True, backend)
+            # distributed: under a process group, run inside a graph task, then fire DDP's reducer hooks
+            distributed.run_engine(engine.run, list(tensors), grads, retain_graph, list(inputs), True, backend)
             return
         except Fallback as e:
             reason = str(e)
@@ -121,7 +123,7 @@ def grad(
     if reason is None:
         _check_roots(outputs)
         try:
-            results = engine.run(list(outputs), grads, retain_graph, list(inputs_t), False, backend)
+            results = distributed.run_engine(engine.run, list(outputs), grads, retain_graph, list(inputs_t), False, backend)  # distributed
         except Fallback as e:
             reason = str(e)
     if reason is not None:

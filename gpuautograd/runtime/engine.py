@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .. import flags
+from .. import distributed, flags
 from ..capture.lower import Request, lower
 from ..capture.walk import release_saved, tensor_meta, walk
 from ..ir.ops import get_op
@@ -99,6 +99,7 @@ def run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: str
 
 def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: str | None):
     w, key, root_edges, input_edges = prepare(roots, grads, inputs, accumulate, backend)
+    distributed.check_graph(w, root_edges, input_edges, accumulate)  # distributed: DDP's C++ hooks; raises Fallback
     if w.hook_reason:
         raise Fallback(w.hook_reason)
     st = stats_module.STATS

@@ -1,0 +1,103 @@
+"""gpuautograd under torch.distributed: DistributedDataParallel runs functionally; what would
+skip C++ hooks (FSDP, unknown wrappers) runs eagerly with a warning naming it.
+
+The core calls three functions, each from one marked place:
+- `global_fallback_reason()` from api's fallback predicate: what rules out every multi-rank
+  backward (a torch whose DDP can't be recognized, FSDP2 modules alive).
+- `run_engine(engine.run, ...)` from api: when a process group is initialized, the backward runs
+  inside an autograd graph task (`graph_task.py`), and the reducer hooks planned for it fire after
+  it has accumulated every gradient.
+- `check_graph(...)` from the engine, right after the walk: plans those hooks, or raises the
+  engine's Fallback with the reason this graph can't run functionally (`ddp.py`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import ddp, graph_task, registry
+
+
+class _Frames(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_Frame] = []  # one per gpuautograd backward running under torch.distributed
+
+
+_frames = _Frames()
+
+
+class _Frame:
+    __slots__ = ("world_size", "hooks")
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.hooks: ddp.HookPlan | None = None
+
+
+def install() -> None:
+    registry.install()
+
+
+def _initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def global_fallback_reason() -> str | None:
+    """Why no backward can run functionally in this process right now (None: each graph decides)."""
+    if not _initialized():
+        return None
+    world = torch.distributed.get_world_size()
+    if world <= 1:
+        return None
+    if registry.install_problem is not None:
+        return f"a torch.distributed process group with world size {world} is initialized and {registry.install_problem}"
+    from .detect import composable_wrappers
+
+    wrappers = composable_wrappers()
+    if wrappers:
+        return (
+            f"{', '.join(wrappers)} manages modules in this process (world size {world}); its gradient "
+            "collectives run from autograd hooks and callbacks that gpuautograd does not drive"
+        )
+    return None
+
+
+def run_engine(run, *args):
+    """`run(*args)`; under an initialized process group, inside an autograd graph task, followed by
+    the reducer hooks that `check_graph` planned for it."""
+    if not _initialized():
+        return run(*args)
+    frame = _Frame(torch.distributed.get_world_size())
+    stack = _frames.stack
+    stack.append(frame)
+
+    def body():
+        result = run(*args)
+        if frame.hooks is not None:
+            frame.hooks.fire()
+        return result
+
+    try:
+        return graph_task.call_in_graph_task(body)
+    finally:
+        stack.pop()
+
+
+def check_graph(w, root_edges, input_edges, accumulate: bool) -> None:
+    """Called by the engine after the walk. Plans the reducer hooks of this backward, or raises
+    the engine's Fallback when a leaf may carry hooks gpuautograd can't run."""
+    stack = _frames.stack
+    if not stack:
+        return  # no process group: nothing distributed hangs off this graph
+    frame = stack[-1]
+    result = ddp.plan(w, root_edges, input_edges, accumulate, frame.world_size)
+    if isinstance(result, str):
+        from ..runtime.engine import Fallback  # engine imports this package: import at use
+
+        raise Fallback(result)
+    frame.hooks = result
+
+
+__all__ = ["install", "global_fallback_reason", "run_engine", "check_graph"]

@@ -199,33 +199,46 @@ def plan_fusion(program: Program, input_strides: dict[str, tuple[int, ...]], int
     for kernel in kernels:
         kernel.source = _emit(analysis, kernel, None, f"k{next(names)}", interpret)
 
+    # Greedy, in program order; a later pass retries pairs whose spaces only became compatible
+    # after other merges (a per-row value and the reduction that now owns its rows).
     merged: list[Kernel] = []
     for kernel in kernels:
-        target = None
-        for cand in reversed(merged[-H.MERGE_WINDOW :]):
-            space = _merged_space(cand.space, kernel.space)
-            if space is None:
-                continue
-            if _path_between(analysis, merged, libraries, cand, kernel):
-                decisions.append(f"not merged: {_names(kernel)} into {_names(cand)}: a step between them links the two")
-                continue
-            trial = Kernel(space, cand.members + kernel.members, cand.first)
-            try:
-                trial.source = _emit(analysis, trial, None, "trial", interpret)
-            except NotFusible as e:
-                decisions.append(f"not merged: {_names(kernel)} into {_names(cand)}: {e}")
-                continue
-            target = (cand, trial)
-            break
-        if target is None:
+        if not _merge_into_earlier(analysis, merged, libraries, kernel, decisions, interpret):
             merged.append(kernel)
-        else:
-            cand, trial = target
-            merged[merged.index(cand)] = trial
+    for _ in range(2):
+        before = len(merged)
+        for kernel in list(merged):
+            if kernel in merged and _merge_into_earlier(analysis, merged, libraries, kernel, None, interpret):
+                merged.remove(kernel)
+        if len(merged) == before:
+            break
 
     steps = _schedule(analysis, merged, libraries)
     _finalize(analysis, steps, interpret)
     return FusionPlan(program, analysis, steps, decisions)
+
+
+def _merge_into_earlier(analysis, merged: list[Kernel], libraries, kernel: Kernel, decisions, interpret: bool) -> bool:
+    """Merge `kernel` into the nearest compatible kernel before it in `merged` (replaced in place)."""
+    position = merged.index(kernel) if kernel in merged else len(merged)
+    for cand in reversed(merged[max(0, position - H.MERGE_WINDOW) : position]):
+        space = _merged_space(cand.space, kernel.space)
+        if space is None:
+            continue
+        if _path_between(analysis, merged, libraries, cand, kernel):
+            if decisions is not None:
+                decisions.append(f"not merged: {_names(kernel)} into {_names(cand)}: a step between them links the two")
+            continue
+        trial = Kernel(space, cand.members + kernel.members, cand.first)
+        try:
+            trial.source = _emit(analysis, trial, None, "trial", interpret)
+        except NotFusible as e:
+            if decisions is not None:
+                decisions.append(f"not merged: {_names(kernel)} into {_names(cand)}: {e}")
+            continue
+        merged[merged.index(cand)] = trial
+        return True
+    return False
 
 
 def _names(kernel: Kernel) -> str:
@@ -233,13 +246,16 @@ def _names(kernel: Kernel) -> str:
 
 
 def _merged_space(a: Space, b: Space) -> Space | None:
+    """The space two kernels can share: equal spaces; pointwise spaces of equal size (elements are
+    visited in row-major order either way); a pointwise kernel over a reduction's elements, or over
+    its rows (a per-row epilogue)."""
     if a == b:
         return a
     if not a.reduced and not b.reduced:
-        return None  # different pointwise shapes: a reshape would do, but the plan keeps them apart
-    if not a.reduced and a.numel == b.numel:
+        return a if a.numel == b.numel else None
+    if not a.reduced and a.numel in (b.numel, b.rows):
         return b
-    if not b.reduced and a.numel == b.numel:
+    if not b.reduced and b.numel in (a.numel, a.rows):
         return a
     return None
 
@@ -271,7 +287,7 @@ def _step_writes(step) -> set[str]:
 
 def _path_between(analysis, kernels, libraries, a: Kernel, b: Kernel) -> bool:
     """Is there a path a -> other steps -> b, or b -> other steps -> a?"""
-    steps = [s for s in kernels if s is not a] + libraries + [b]
+    steps = [s for s in kernels if s is not a and s is not b] + libraries + [b]
     writer = {}
     for s in steps + [a]:
         for v in _step_writes(s):

@@ -1,7 +1,7 @@
 """Launches and bytes moved per backward: gpuautograd's fused plan against eager torch.
 
 For each model of the suite: the aten ops that eager `loss.backward()` dispatches (counted with a
-TorchDispatchMode, all ops and the ones that are not views), the launches of the fused plan
+TorchDispatchMode, all ops and the ones that launch a kernel), the launches of the fused plan
 (generated kernels plus library calls, from `explain().launches`), and the bytes each moves
 (eager: inputs plus outputs of every non-view op; fused: the plan's kernels and library calls).
 
@@ -19,10 +19,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpuautograd
 
+from .counting import launches_kernel
 from .models import SUITE
 
 
 class CountOps(TorchDispatchMode):
+    """Every aten op, the ones that launch a kernel (bench.counting's rule), and their bytes."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
@@ -32,7 +35,7 @@ class CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        if not func.is_view and func not in (torch.ops.aten.detach.default,):
+        if launches_kernel(func):
             self.compute_ops += 1
             tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(a, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)

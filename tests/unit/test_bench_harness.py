@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bench import compare
-from bench.harness import Config, measure_model, run
 from bench.counting import count_aten_ops, launches_kernel
+from bench.harness import Config, measure_model, run
 from bench.models import make_mlp
 from bench.modes import Eager, Gpuautograd
 from bench.report import plain_table, write_json

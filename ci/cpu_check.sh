@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The CPU checks, as CI runs them: lint, then the test tiers (unit, interpret, ahead-of-time compile).
+# The CPU checks, as CI runs them: lint, then the test tiers (unit, interpret, ahead-of-time compile,
+# distributed on gloo).
 #   bash ci/cpu_check.sh
 # Expects the package and its test and dev extras installed: pip install -e ".[test,dev]".
 # A tier whose folder does not exist yet is skipped with a notice.
@@ -29,4 +30,5 @@ run_tier() {  # run_tier NAME DIR
 run_tier unit tests/unit
 run_tier interpret tests/interpret
 run_tier "ahead-of-time compile" tests/aot
+run_tier "distributed (gloo, CPU)" tests/distributed
 echo "== cpu checks passed"

@@ -39,23 +39,36 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
+def _module_text(ks: KernelSource) -> str:
+    return "import triton\nimport triton.language as tl\n\n\n" + ks.source
+
+
+def dump_kernel(ks: KernelSource) -> str | None:
+    """Write the kernel to GPUAUTOGRAD_DUMP_DIR when it is set (also a kernel loaded before it was
+    set); returns the file's path, or None."""
+    dump = flags.dump_dir()
+    if not dump:
+        return None
+    filename = os.path.join(dump, f"{ks.name}_{source_hash(ks.source)}.py")
+    if not os.path.exists(filename):
+        os.makedirs(dump, exist_ok=True)
+        with open(filename, "w") as f:
+            f.write(_module_text(ks))
+    return filename
+
+
 def python_function(ks: KernelSource):
     """exec the kernel's source once per distinct source; register it so inspect can read it."""
     import triton
     import triton.language as tl
 
     digest = source_hash(ks.source)
+    filename = dump_kernel(ks)
     fn = _FUNCTIONS.get(digest)
     if fn is not None:
         return fn
-    text = "import triton\nimport triton.language as tl\n\n\n" + ks.source
-    dump = flags.dump_dir()
-    if dump:
-        os.makedirs(dump, exist_ok=True)
-        filename = os.path.join(dump, f"{ks.name}_{digest}.py")
-        with open(filename, "w") as f:
-            f.write(text)
-    else:
+    text = _module_text(ks)
+    if filename is None:
         filename = f"<gpuautograd kernel {digest}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     # exec'd undecorated (the decorator line stays as a comment, so line numbers match the file):
@@ -70,6 +83,7 @@ def python_function(ks: KernelSource):
 
 def launchable(ks: KernelSource, interpret: bool):
     digest = source_hash(ks.source)
+    dump_kernel(ks)
     key = (digest, interpret)
     kernel = _LAUNCHABLE.get(key)
     if kernel is None:

@@ -23,7 +23,9 @@ from ..fusion import heuristics as H
 from ..fusion import indexing as ix
 from ..ir.printer import format_instr
 from ..ir.program import Value
-from .lowering import LOWERINGS, TL_DTYPES, compute_dtype, literal
+from .lowering import HALF, LOWERINGS, TL_DTYPES, compute_dtype, literal
+
+COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge"}
 
 
 class NotFusible(Exception):
@@ -265,15 +267,22 @@ class Emitter:
     def pointwise(self, instr, v: Value, index) -> str:
         operands = []
         ctypes = set()
+        half = next((x.dtype for x in instr.inputs if isinstance(x, Value) and x.dtype in HALF), None)
         for x in instr.inputs:
             if isinstance(x, Value):
                 operands.append(self.value(x, ix.expand_index(index, v.shape, x.shape)))
                 ctypes.add(compute_dtype(x.dtype))
+            elif instr.op in COMPARISONS and half is not None and isinstance(x, float):
+                # torch compares in the tensor's dtype: 0.3 against bfloat16 is 0.30078125
+                operands.append(literal(float(torch.tensor(x, dtype=half))))
             else:
                 operands.append(literal(x))
         out = compute_dtype(v.dtype)
         expr = LOWERINGS[instr.op](self, *operands, instr.attrs, out)
         if instr.op == "cast" and v.dtype != out:  # round through the half type, as torch does
+            src = instr.inputs[0]
+            if isinstance(src, Value) and compute_dtype(src.dtype) != torch.float32:
+                expr = f"({expr}).to(tl.float32)"  # Triton's interpreter converts only float32 to half
             expr = f"{expr}.to({TL_DTYPES[v.dtype]}).to({TL_DTYPES[out]})"
         elif instr.op in ("where", "div", "cast", "sign", "pow", "full") or ctypes - {out}:
             if out != torch.bool:
@@ -384,7 +393,10 @@ class Emitter:
             canon = self.canonical(m)
             if canon is None:
                 raise NotFusible(f"{m.name} {m.type} has no place in {sp}")
-            placed.append((m, canon, ix.offset(canon, m.shape, ix.contiguous_strides(m.shape))))
+            off = ix.offset(canon, m.shape, ix.contiguous_strides(m.shape))
+            if not off.vars:  # one element, computed as a block: store it from the lane of index 0
+                off = ix.var("xindex" if not sp.reduced else "rindex", 1)
+            placed.append((m, canon, off))
         if self.looped:
             placed = self._column_loop(members, placed)
         for m, canon, off in placed:

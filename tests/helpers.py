@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,31 +22,55 @@ def assert_close(actual, expected, dtype=None, msg=""):
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{msg}\n{m}")
 
 
+# Backends that run generated kernels: their gradients are also checked against the reference executor.
+FUSED_BACKENDS = ("interpret", "triton")
+
+# The one-time warning of a kernel that failed to compile or launch and fell back to reference ops.
+KERNEL_FAILURE = r"gpuautograd: kernel "
+
+
+@contextlib.contextmanager
+def no_kernel_fallback():
+    """A kernel that fails and quietly runs as reference torch ops would still give right gradients:
+    inside this block its warning is an error, so the broken kernel fails the test."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=KERNEL_FAILURE, category=RuntimeWarning)
+        yield
+
+
 def check_grads(fn, *inputs, grad_output=None, backend="reference", allow_opaque=False):
     """Run `fn(*inputs)` once, then take gradients of its output(s) with respect to every input
-    that requires grad, with gpuautograd (retaining the graph) and with torch.autograd. Asserts
-    they agree within TOLERANCES and that no node ran as an opaque call. Returns the gradients."""
+    that requires grad, with gpuautograd on `backend` (retaining the graph) and with torch.autograd.
+    Asserts they agree within TOLERANCES and that no node ran as an opaque call. A fused backend
+    must also agree with the reference executor on the same graph, and no kernel may fall back to
+    reference ops. Returns the gradients."""
     out = fn(*inputs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
     wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     if grad_output is None:
         grad_output = [torch.randn_like(o) for o in outs]
-    report = gpuautograd.explain(outs, grad_output)
+    fused = backend in FUSED_BACKENDS
+    report = gpuautograd.explain(outs, grad_output, backend=backend)
     if not allow_opaque:
         assert not report.opaque_nodes, f"opaque nodes: {report.opaque_nodes}\n{report}"
     fallbacks_before = sum(gpuautograd.stats()["fallbacks"].values())
-    ours = gpuautograd.grad(outs, wrt, grad_output, retain_graph=True, allow_unused=True, backend=backend)
+    with no_kernel_fallback():
+        ours = gpuautograd.grad(outs, wrt, grad_output, retain_graph=True, allow_unused=True, backend=backend)
+    references = {"torch.autograd": torch.autograd.grad(outs, wrt, grad_output, retain_graph=fused, allow_unused=True)}
+    if fused:
+        references["the reference executor"] = gpuautograd.grad(outs, wrt, grad_output, allow_unused=True, backend="reference")
     fallbacks = gpuautograd.stats()["fallbacks"]
     assert sum(fallbacks.values()) == fallbacks_before, f"gpuautograd fell back to eager: {fallbacks}"
-    theirs = torch.autograd.grad(outs, wrt, grad_output, allow_unused=True)
-    for i, (a, e) in enumerate(zip(ours, theirs)):
-        if e is None:
-            assert a is None, f"input {i}: torch gives no gradient, gpuautograd gives {a}"
-            continue
-        assert a is not None, f"input {i}: gpuautograd gives no gradient\n{report}"
-        assert a.shape == e.shape and a.dtype == e.dtype, f"input {i}: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
-        assert_close(a, e, msg=f"gradient of input {i} ({tuple(e.shape)}, {e.dtype})\n{report.program}")
+    for against, theirs in references.items():
+        for i, (a, e) in enumerate(zip(ours, theirs)):
+            if e is None:
+                assert a is None, f"input {i}: {against} gives no gradient, gpuautograd gives {a}"
+                continue
+            assert a is not None, f"input {i}: gpuautograd gives no gradient, {against} does\n{report}"
+            assert a.shape == e.shape and a.dtype == e.dtype, f"input {i}: {a.shape}/{a.dtype} vs {against}'s {e.shape}/{e.dtype}"
+            where = report.plan if fused else report.program
+            assert_close(a, e, msg=f"{backend}: gradient of input {i} ({tuple(e.shape)}, {e.dtype}) against {against}\n{where}")
     return ours
 
 
@@ -90,26 +117,28 @@ class Case:
     dtypes: tuple = field(default=DTYPES)
 
 
-def check_case(case: Case, dtype: torch.dtype):
+def check_case(case: Case, dtype: torch.dtype, backend: str = "reference"):
     """check_grads on `case.make(dtype)`, after asserting that the graph contains `case.node`; at
     least one input must get a gradient."""
     inputs = case.make(dtype)
     assert case.node in graph_node_names(case.fn(*inputs)), f"{case.id} does not build {case.node}"
-    grads = check_grads(case.fn, *inputs)
+    grads = check_grads(case.fn, *inputs, backend=backend)
     assert any(g is not None for g in grads)
 
 
-def run_case(case: Case, dtype: torch.dtype) -> None:
+def run_case(case: Case, dtype: torch.dtype, backend: str = "reference") -> None:
     """check_grads on `case.make(dtype)` after asserting that the graph contains `case.node`, from
-    a fresh cache, asserting that the captured program (not an eager fallback) produced them."""
+    a fresh cache, asserting that the captured program (not an eager fallback) produced them. A
+    fused backend captures twice: its own plan and the reference executor's it is compared with."""
     inputs = case.make(dtype)
     names = graph_node_names(case.fn(*inputs))
     assert case.node in names, f"{case.id} builds {sorted(names)}, not {case.node}"
     # A fresh cache, so that the rules run: no cached program, no recapture-limit fallback.
     gpuautograd.reset()
-    check_grads(case.fn, *inputs)
+    check_grads(case.fn, *inputs, backend=backend)
     stats = gpuautograd.stats()
-    assert stats["captures"] == 1 and not stats["fallbacks"], f"{case.id} did not run its captured program: {stats}"
+    captures = 2 if backend in FUSED_BACKENDS else 1
+    assert stats["captures"] == captures and not stats["fallbacks"], f"{case.id} did not run its captured program: {stats}"
 
 
 def params(cases):
@@ -148,3 +177,46 @@ def one(*shape, nc=False):
 def idx(*values):
     """An int64 index tensor."""
     return torch.tensor(values, dtype=torch.long)
+
+
+def train_side_by_side(name, dtype, steps=3, accumulate_every=2, backend="reference", **factory_kwargs):
+    """Train model `name` of bench.models.SUITE for `steps` steps with gpuautograd on `backend` and
+    with eager autograd, from the same weights and batches (and, for a fused backend, a third copy
+    on the reference executor). Every step compares every .grad (values and strides); every
+    `accumulate_every` steps an SGD step runs, so .grad accumulates over micro-batches in between.
+    Finally compares the parameters. Returns the model trained with gpuautograd."""
+    from bench.models import SUITE
+
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE[name](dtype=dtype, **factory_kwargs)
+    runs = {backend: model, "eager": copy.deepcopy(model)}
+    if backend in FUSED_BACKENDS:
+        runs["reference"] = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in runs.values()]
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        batch = make_batch(g)
+        for how, m in runs.items():
+            torch.manual_seed(100 + step)  # the same dropout masks in every run
+            loss = loss_fn(m, *batch)
+            if how == "eager":
+                loss.backward()
+            else:
+                with no_kernel_fallback():
+                    gpuautograd.backward(loss, backend=how)
+        for how, other in runs.items():
+            if other is model:
+                continue
+            for (pname, p), q in zip(model.named_parameters(), other.parameters()):
+                assert (p.grad is None) == (q.grad is None), pname
+                if q.grad is not None:
+                    assert_close(p.grad, q.grad, msg=f"{name} on {backend} step {step}: grad of {pname} against {how}")
+                    assert p.grad.stride() == q.grad.stride(), f"{pname}: strides {p.grad.stride()} against {how}'s {q.grad.stride()}"
+        if step % accumulate_every == accumulate_every - 1:
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    for how, other in runs.items():
+        for (pname, p), q in zip(model.named_parameters(), other.parameters()):
+            assert_close(p.detach(), q.detach(), msg=f"{name} on {backend}: parameter {pname} after training, against {how}")
+    return model

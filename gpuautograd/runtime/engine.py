@@ -47,10 +47,21 @@ def _backend(backend: str | None, device: torch.device) -> str:
         raise ValueError(f"the 'triton' backend needs CUDA tensors; this backward is on {device} (use 'interpret' on CPU)")
     if backend in FUSED_BACKENDS and not _triton_available():
         raise ValueError(f"the {backend!r} backend needs the triton package, which is not importable")
+    if backend == "interpret" and not _numpy_available():
+        raise ValueError("the 'interpret' backend needs numpy (Triton's interpreter computes with it), which is not importable")
     return backend
 
 
 FUSED_BACKENDS = ("interpret", "triton")
+
+
+@functools.cache
+def _numpy_available() -> bool:
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache

@@ -72,6 +72,13 @@ def test_gate_shows_but_does_not_gate_modes_other_than_gpuautograd(tmp_path, cap
     assert "regression (not gated)" in capsys.readouterr().out
 
 
+def test_gate_does_not_gate_the_interpreters_speed_but_gates_its_gradients(tmp_path, capsys):
+    base = [_row("mlp", "gpuautograd:interpret", 0.02)]
+    assert _gate(tmp_path, base, [_row("mlp", "gpuautograd:interpret", 0.01)]) == 0  # -50%: the interpreter's speed
+    assert "speed not gated" in capsys.readouterr().out
+    assert _gate(tmp_path, base, [_row("mlp", "gpuautograd:interpret", 0.02, grad_ok=False)]) == 1
+
+
 def test_gate_compares_the_chosen_metric(tmp_path):
     base = [dict(_row("gpt", "gpuautograd:reference", 0.5), cpu_speedup_vs_eager=0.5)]
     new = [dict(_row("gpt", "gpuautograd:reference", 0.3), cpu_speedup_vs_eager=0.49)]  # wall ratio fell, CPU-time ratio held

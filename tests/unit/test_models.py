@@ -1,45 +1,14 @@
 """End to end: train the model suite for a few steps with gpuautograd and with eager autograd,
 side by side from the same weights and batches, and compare every gradient and parameter."""
 
-import copy
-
 import pytest
 import torch
 
 import gpuautograd
 from bench.models import SUITE
-from tests.helpers import assert_close
+from tests.helpers import assert_close, train_side_by_side
 
 FAMILIES = ["mlp", "cnn", "gpt", "gpt-manual-attn", "llama"]
-
-
-def train_side_by_side(name, dtype, steps=3, accumulate_every=2):
-    torch.manual_seed(0)
-    model, make_batch, loss_fn = SUITE[name](dtype=dtype)
-    eager_model = copy.deepcopy(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, eager_model)]
-    g = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        batch = make_batch(g)
-        for m, use_gpuautograd in ((model, True), (eager_model, False)):
-            torch.manual_seed(100 + step)  # the same dropout masks in both runs
-            loss = loss_fn(m, *batch)
-            if use_gpuautograd:
-                gpuautograd.backward(loss)
-            else:
-                loss.backward()
-        for (pname, p), q in zip(model.named_parameters(), eager_model.parameters()):
-            assert (p.grad is None) == (q.grad is None), pname
-            if q.grad is not None:
-                assert_close(p.grad, q.grad, msg=f"{name} step {step}: grad of {pname}")
-                assert p.grad.stride() == q.grad.stride(), pname
-        if step % accumulate_every == accumulate_every - 1:  # accumulate .grad over micro-batches
-            for opt in opts:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    for p, q in zip(model.parameters(), eager_model.parameters()):
-        assert_close(p.detach(), q.detach())
-    return model
 
 
 @pytest.mark.parametrize("name", FAMILIES)

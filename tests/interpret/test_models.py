@@ -63,3 +63,14 @@ def test_model_plan_is_fused(name):
     # explain() runs nothing: the same graph still backpropagates, through the plan it showed
     gpuautograd.backward(loss, backend=BACKEND)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "cnn"])
+def test_gpu_block_sizes_run_right_in_the_interpreter(name, monkeypatch):
+    """The interpreter normally runs large blocks (fewer Python-level programs); here it runs the
+    GPU's block sizes and grids, so the exact launches the "triton" backend makes are validated."""
+    from gpuautograd.fusion import heuristics as H
+
+    for suffix in ("TILE_ELEMENTS", "POINTWISE_BLOCK", "LOOP_COLS", "LOOP_ROWS", "COLUMN_ROWS"):
+        monkeypatch.setattr(H, f"INTERPRET_{suffix}", getattr(H, f"GPU_{suffix}"))
+    train_side_by_side(name, torch.float32, steps=2, backend=BACKEND, **ODD[name])

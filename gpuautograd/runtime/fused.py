@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +169,7 @@ class _Writer:
             else:
                 library_bytes += self.write_library(step, memory)
         rets = ["None" if v is None else self.emit_host(v) for v, _ in prog.outputs]
+        self.lines = free_at_last_use(self.lines, keep=set(rets))
         self.lines.append(f"    return ({', '.join(rets)}{',' if len(rets) == 1 else ''})")
         source = "\n".join(self.lines) + "\n"
         exec(compile(source, "<gpuautograd fused backward>", "exec"), self.env)
@@ -232,6 +234,29 @@ class _Writer:
         lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
         self.lines.append(f"    {lhs} = {fn}({', '.join(args)})  # library: {format_instr(instr)}")
         return nbytes
+
+
+_LOCAL = re.compile(r"\b[gsnv]\d+\b")
+
+
+def free_at_last_use(lines: list[str], keep: set[str]) -> list[str]:
+    """Insert `del` after the last line that reads each local (straight-line code), so saved
+    activations and intermediates are freed as the backward goes, as in eager."""
+    code = [line.split("  #", 1)[0] if not line.lstrip().startswith("#") else "" for line in lines]
+    last: dict[str, int] = {}
+    for k, text in enumerate(code):
+        for name in _LOCAL.findall(text):
+            last[name] = k
+    dead_after: dict[int, list[str]] = {}
+    for name, k in last.items():
+        if name not in keep:
+            dead_after.setdefault(k, []).append(name)
+    out = []
+    for k, line in enumerate(lines):
+        out.append(line)
+        if k in dead_after and k > 0:
+            out.append(f"    del {', '.join(sorted(dead_after[k]))}")
+    return out
 
 
 def _reference_fallback(program: Program, ks: KernelSource):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -94,5 +96,23 @@ def test_planned_arena_of_a_model_is_smaller_than_all_intermediates():
 
     model, make_batch, loss_fn = SUITE["gpt"]()
     e = _plan(loss_fn(model, *make_batch(torch.Generator().manual_seed(0))))
-    arena, total = (int(s) for s in __import__("re").findall(r"arena (\d+) bytes .* of (\d+) bytes", e.memory)[0])
+    arena, total = (int(s) for s in re.findall(r"arena (\d+) bytes .* of (\d+) bytes", e.memory)[0])
     assert 0 < arena < total
+
+
+def test_the_fused_plan_frees_every_saved_tensor_after_its_last_reader():
+    from bench.models import SUITE
+
+    model, make_batch, loss_fn = SUITE["llama"]()
+    e = _plan(loss_fn(model, *make_batch(torch.Generator().manual_seed(0))))
+    lines = e.plan.splitlines()
+    deleted = {name.strip() for line in lines if line.strip().startswith("del ") for name in line.strip()[4:].split(",")}
+    saved = [v.name[1:] for v, spec in e.program.inputs if spec.kind == "saved"]
+    assert saved and set(saved) <= deleted
+    for name in saved:  # deleted right after the last line that reads it
+        reads = re.compile(rf"\b{name}\b")
+        last_read = max(
+            k for k, line in enumerate(lines) if not line.strip().startswith(("#", "del")) and reads.search(line.split("  #")[0])
+        )
+        follow = lines[last_read + 1].strip()
+        assert follow.startswith("del ") and name in follow[4:].replace(",", " ").split(), (name, lines[last_read], follow)

@@ -29,6 +29,8 @@ from ..ir.printer import format_instr
 from ..ir.program import Instr, Program, Value
 
 VIEW_LAYOUT = {"reshape", "permute", "expand", "slice", "select", "flip"}
+# Library calls whose result is always a fresh row-major tensor (or written into one with out=).
+ROW_MAJOR_RESULTS = {"mm", "bmm"}
 WHERE_OPS = {"cat", "slice_scatter", "select_scatter"}
 
 
@@ -89,13 +91,18 @@ class Analysis:
         return v
 
     def runtime_strides(self, v: Value) -> bool:
-        """Library results keep the strides their library chose, read at run time."""
-        return v.name not in self.input_strides and v.name not in self.realized
+        """Library results keep the strides their library chose, read at run time (matmuls excepted:
+        their results are always row-major, so their index arithmetic is static and coalesces)."""
+        return v.name not in self.input_strides and v.name not in self.realized and not self._row_major_result(v)
+
+    def _row_major_result(self, v: Value) -> bool:
+        instr = self.producer.get(v.name)
+        return instr is not None and instr.op in ROW_MAJOR_RESULTS
 
     def strides(self, v: Value, param: str):
         if v.name in self.input_strides:
             return self.input_strides[v.name]
-        if v.name in self.realized:
+        if v.name in self.realized or self._row_major_result(v):
             return contiguous_strides(v.shape)
         return tuple(f"{param}_s{d}" for d in range(v.ndim))
 

@@ -19,7 +19,7 @@ import torch
 from .. import flags
 from ..codegen.compile import Launcher
 from ..codegen.kernel import KernelSource
-from ..fusion.partition import FusionPlan, Kernel, Library, plan_fusion
+from ..fusion.partition import ROW_MAJOR_RESULTS, FusionPlan, Kernel, Library, plan_fusion
 from ..ir.ops import get_op
 from ..ir.printer import format_instr
 from ..ir.program import Program, Value
@@ -233,6 +233,8 @@ class _Writer:
         many = len(outs) > 1 or instr.op == "opaque"
         lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
         self.lines.append(f"    {lhs} = {fn}({', '.join(args)})  # library: {format_instr(instr)}")
+        if instr.op in ROW_MAJOR_RESULTS:  # kernels index it as row-major; keep that true whatever the library did
+            self.lines.append(f"    {outs[0]} = {outs[0]} if {outs[0]}.is_contiguous() else {outs[0]}.contiguous()")
         return nbytes
 
 

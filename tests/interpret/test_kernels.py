@@ -143,13 +143,24 @@ def test_saved_operands_in_any_layout(layout):
 
 
 def test_library_result_read_with_its_strides_at_run_time():
-    # the input gradient adds a matmul (a library call, whose strides the plan does not fix) to a
-    # pointwise term, inside a kernel that reads the matmul's strides when it launches
+    # the input gradient adds a reverse cumsum (a library call, whose strides the plan does not fix)
+    # to a pointwise term, inside a kernel that reads the scan's strides when it launches
+    x, w = rand(7, 13, dtype=F32), rand(7, 13, dtype=F32)
+    fn = lambda x, w: (x.cumsum(0) + x.tanh()) * w  # noqa: E731
+    out = fn(x, w)
+    report = explain(out, torch.randn_like(out))
+    assert ".stride()" in report.plan, report.plan
+    check_grads(fn, x, w, backend=BACKEND)
+
+
+def test_matmul_results_are_read_as_row_major():
+    # torch.mm always returns a row-major result, so kernels index it statically (coalesced loads);
+    # the plan keeps that true even if a library ever returned another layout
     x, w = rand(7, 13, dtype=F32), rand(5, 13, dtype=F32)
     fn = lambda x, w: F.pad(x @ w.t(), (0, 8)) + x.tanh()  # noqa: E731
     out = fn(x, w)
     report = explain(out, torch.randn_like(out))
-    assert ".stride()" in report.plan, report.plan
+    assert ".stride()" not in report.plan and ".is_contiguous()" in report.plan, report.plan
     check_grads(fn, x, w, backend=BACKEND)
 
 

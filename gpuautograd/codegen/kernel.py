@@ -15,7 +15,7 @@ computed at can't share the kernel (`NotFusible`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -90,7 +90,6 @@ class KernelSource:
     bytes_read: int
     bytes_written: int
     int64: bool = False
-    reads_at: dict[str, set] = field(default_factory=dict)  # value id -> indices it is loaded at
 
 
 class Emitter:
@@ -109,8 +108,7 @@ class Emitter:
         self.loads: dict[str, str] = {}  # value id -> parameter name
         self.load_values: list[Value] = []
         self.runtime: list[Value] = []
-        self.instrs: set[str] = set()
-        self.reads_at: dict[str, set] = {}
+        self.instrs: set[int] = set()  # positions of the program instructions generated here
         self.in_loop = False
         self.looped = looped  # reductions walk the columns in a loop instead of holding whole rows
         self.sum_values: dict[str, str] = {}
@@ -221,7 +219,6 @@ class Emitter:
                 self.runtime.append(v)
         strides = self.a.strides(v, name)
         off = ix.offset(index, v.shape, strides)
-        self.reads_at.setdefault(v.name, set()).add(off.code)
         mask = self.mask_for(off.vars)
         ptr = name if off.code == "0" else f"{name} + {ix._paren(off.code)}" if " " in off.code else f"{name} + {off.code}"
         expr = f"tl.load({ptr}, mask={mask}, other=0)" if mask else f"tl.load({ptr})"
@@ -469,7 +466,6 @@ class Emitter:
             bytes_read,
             bytes_written,
             self.int64,
-            self.reads_at,
         )
 
     def _prologue(self, index_ty):

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import flags
 from ..codegen.compile import Launcher
 from ..codegen.kernel import KernelSource
 from ..fusion.partition import ROW_MAJOR_RESULTS, FusionPlan, Kernel, Library, plan_fusion
@@ -279,9 +278,3 @@ def _reference_fallback(program: Program, ks: KernelSource):
                 out.copy_(env[m.name])
 
     return run
-
-
-def fusion_report(fp: FusedProgram) -> str:
-    if flags.debug_level() < 3:
-        return ""
-    return "\n".join(fp.plan.decisions)

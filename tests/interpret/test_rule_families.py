@@ -321,18 +321,14 @@ def same_grads_as_torch(fn, *inputs, rtol=1e-12, zero_grad_every=0):
 
 @pytest.mark.parametrize("reduction", test_rules_losses.REDUCTIONS)
 def test_bce_at_the_ends_of_its_domain_on_interpret(reduction):
-    p = torch.tensor([0.0, 1.0, 0.5, 1e-14, 0.0], dtype=torch.float64, requires_grad=True)
-    t = torch.tensor([0.0, 1.0, 0.25, 0.0, 0.5], dtype=torch.float64, requires_grad=True)
-    same_grads_as_torch(lambda p, t: F.binary_cross_entropy(p, t, reduction=reduction), p, t)
+    fn, inputs = test_rules_losses.bce_at_the_ends(reduction)
+    same_grads_as_torch(fn, *inputs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_bce_with_logits_far_from_zero_on_interpret(dtype):
-    x = torch.tensor([-200.0, -40.0, -1e-3, 0.0, 30.0, 200.0], dtype=dtype, requires_grad=True)
-    t = torch.tensor([0.0, 1.0, 0.5, 0.25, 1.0, 0.75], dtype=dtype, requires_grad=True)
-    pw = torch.tensor(2.5, dtype=dtype)
-    fn = lambda x, t: F.binary_cross_entropy_with_logits(x, t, pos_weight=pw, reduction="sum")  # noqa: E731
-    same_grads_as_torch(fn, x, t, rtol=1e-6 if dtype == torch.float32 else 1e-12)
+    fn, inputs, rtol = test_rules_losses.bce_with_logits_far_from_zero(dtype)
+    same_grads_as_torch(fn, *inputs, rtol=rtol)
 
 
 @pytest.mark.parametrize("zero_grad_every", [0, 2, 3])

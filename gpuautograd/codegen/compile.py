@@ -161,5 +161,7 @@ def compile_ahead(ks: KernelSource, arch: int):
 
     fn = triton.jit(python_function(ks))
     sig, constexprs = signature(ks)
+    # constexprs keyed by argument position: what every Triton 3.x accepts (3.9 also takes names)
+    constexprs = {(fn.arg_names.index(name),): value for name, value in constexprs.items()}
     source = ASTSource(fn, sig, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": ks.num_warps})

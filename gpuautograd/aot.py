@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .codegen.compile import compile_ahead
+from .codegen.compile import body_hash, compile_ahead
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,22 @@ class CompileReport:
 
 
 def compile_kernels(kernel_sources, archs, report: CompileReport) -> CompileReport:
+    """Compile each distinct kernel body once per arch; kernels that share a body (the same block in
+    another layer) share its result, as they share one compiled function at run time."""
     report.archs = tuple(archs)
+    outcome: dict[tuple[str, int], str | None] = {}  # (body hash, arch) -> the error, or None
     for ks in kernel_sources:
         report.kernels += 1
         for arch in archs:
-            try:
-                compile_ahead(ks, arch)
-            except Exception as e:  # the compiler's own message is the useful part
-                text = str(e).strip() or type(e).__name__
-                report.failures.append(CompileFailure(ks.name, arch, f"{type(e).__name__}: {text}"))
-            else:
+            key = (body_hash(ks), arch)
+            if key not in outcome:
+                try:
+                    compile_ahead(ks, arch)
+                    outcome[key] = None
+                except Exception as e:  # the compiler's own message is the useful part
+                    outcome[key] = f"{type(e).__name__}: {str(e).strip() or type(e).__name__}"
+            if outcome[key] is None:
                 report.compiled += 1
+            else:
+                report.failures.append(CompileFailure(ks.name, arch, outcome[key]))
     return report

@@ -18,8 +18,8 @@ import torch
 from .. import flags
 from .kernel import KernelSource
 
-_FUNCTIONS: dict[str, object] = {}  # source hash -> the Python function of the kernel
-_LAUNCHABLE: dict[tuple[str, bool], object] = {}  # (hash, interpret) -> JITFunction / InterpretedFunction
+_FUNCTIONS: dict[str, object] = {}  # body hash -> the Python function of the kernel
+_LAUNCHABLE: dict[tuple[str, bool], object] = {}  # (body hash, interpret) -> JITFunction / InterpretedFunction
 
 TRITON_TYPES = {
     torch.float64: "fp64",
@@ -37,6 +37,13 @@ TRITON_TYPES = {
 
 def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def body_hash(ks: KernelSource) -> str:
+    """Kernels that differ only in their name and header comment (the same block in another layer)
+    share one function, so a deep model compiles each distinct kernel once."""
+    body = ks.source[ks.source.index("@triton.jit") :].replace(f"def {ks.name}(", "def kernel(", 1)
+    return source_hash(body)
 
 
 def _module_text(ks: KernelSource) -> str:
@@ -58,18 +65,18 @@ def dump_kernel(ks: KernelSource) -> str | None:
 
 
 def python_function(ks: KernelSource):
-    """exec the kernel's source once per distinct source; register it so inspect can read it."""
+    """exec the kernel's source once per distinct body; register it so inspect can read it."""
     import triton
     import triton.language as tl
 
-    digest = source_hash(ks.source)
+    digest = body_hash(ks)
     filename = dump_kernel(ks)
     fn = _FUNCTIONS.get(digest)
     if fn is not None:
         return fn
     text = _module_text(ks)
     if filename is None:
-        filename = f"<gpuautograd kernel {digest}>"
+        filename = f"<gpuautograd kernel {source_hash(ks.source)}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     # exec'd undecorated (the decorator line stays as a comment, so line numbers match the file):
     # each backend wraps the plain function itself
@@ -82,9 +89,8 @@ def python_function(ks: KernelSource):
 
 
 def launchable(ks: KernelSource, interpret: bool):
-    digest = source_hash(ks.source)
     dump_kernel(ks)
-    key = (digest, interpret)
+    key = (body_hash(ks), interpret)
     kernel = _LAUNCHABLE.get(key)
     if kernel is None:
         import triton

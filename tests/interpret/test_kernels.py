@@ -293,3 +293,21 @@ def test_cache_hit_reruns_the_plan_with_new_values():
             assert_close(a, e, msg=f"step {step}")
     s = gpuautograd.stats()
     assert s["captures"] == 1 and s["cache_hits"] == 2 and not s["fallbacks"], s
+
+
+def test_identical_kernels_of_repeated_layers_share_one_function():
+    # the same block in every layer generates kernels that differ only in name and header: each
+    # distinct body is loaded (on a GPU: compiled) once
+    from bench.models import SUITE
+    from gpuautograd.codegen import compile as kernel_compile
+
+    model, make_batch, loss_fn = SUITE["gpt"](batch=1, seq=11, d_model=40, n_layers=4)  # shapes no other test uses
+    loss = loss_fn(model, *make_batch(torch.Generator().manual_seed(0)))
+    kernels = gpuautograd.explain(loss, backend=BACKEND).kernels
+    before = len(kernel_compile._FUNCTIONS)
+    with no_kernel_fallback():
+        gpuautograd.backward(loss, backend=BACKEND)
+    loaded = len(kernel_compile._FUNCTIONS) - before
+    assert 0 < loaded <= len(kernels) // 2, (loaded, len(kernels))
+    report = gpuautograd.compile_check(loss_fn(model, *make_batch(torch.Generator().manual_seed(0))), archs=(90,))
+    assert report.compiled == report.kernels and not report.failures

@@ -74,6 +74,27 @@ def check_grads(fn, *inputs, grad_output=None, backend="reference", allow_opaque
     return ours
 
 
+def same_grads_as_torch(fn, *inputs, rtol=1e-12, zero_grad_every=0, backend="reference"):
+    """Our gradients on `backend` equal torch's (and, for a fused backend, the reference executor's),
+    infinities and NaNs included, with no node left opaque; the incoming gradient is 0 at every
+    `zero_grad_every`-th element when that is set."""
+    out = fn(*inputs)
+    g = torch.linspace(1.0, 2.0, out.numel(), dtype=out.dtype)
+    if zero_grad_every:
+        g[::zero_grad_every] = 0
+    g = g.reshape(out.shape)
+    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    assert not gpuautograd.explain([out], [g], backend=backend).opaque_nodes
+    with no_kernel_fallback():
+        ours = gpuautograd.grad([out], wrt, [g], retain_graph=True, backend=backend)
+    references = {"torch.autograd": torch.autograd.grad([out], wrt, [g], retain_graph=True)}
+    if backend in FUSED_BACKENDS:
+        references["the reference executor"] = gpuautograd.grad([out], wrt, [g], backend="reference")
+    for against, theirs in references.items():
+        for a, e in zip(ours, theirs):
+            torch.testing.assert_close(a, e, rtol=rtol, atol=0, equal_nan=True, msg=lambda m, against=against: f"against {against}\n{m}")
+
+
 def rand(*shape, dtype=torch.float64, requires_grad=True, noncontiguous=False):
     """A random leaf; `noncontiguous` makes it a transposed view of a leaf of swapped shape."""
     if noncontiguous and len(shape) >= 2:

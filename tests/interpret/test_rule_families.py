@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import gpuautograd
 from tests.helpers import DTYPES, Case, assert_close, check_grads, graph_node_names, no_kernel_fallback, rand, run_case
+from tests.helpers import same_grads_as_torch as helpers_same_grads_as_torch
 from tests.unit import (
     test_rules_activations,
     test_rules_indexing,
@@ -299,24 +300,9 @@ def test_losses_that_decompose_on_interpret(name):
     check_grads(fn, x, y, backend=BACKEND)
 
 
-def same_grads_as_torch(fn, *inputs, rtol=1e-12, zero_grad_every=0):
-    """The interpret backend's gradients equal torch's and the reference executor's, infinities and
-    NaNs included; the incoming gradient is 0 at every `zero_grad_every`-th element when set."""
-    out = fn(*inputs)
-    g = torch.linspace(1.0, 2.0, out.numel(), dtype=out.dtype)
-    if zero_grad_every:
-        g[::zero_grad_every] = 0
-    g = g.reshape(out.shape)
-    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    with no_kernel_fallback():
-        ours = gpuautograd.grad([out], wrt, [g], retain_graph=True, backend=BACKEND)
-    references = {
-        "the reference executor": gpuautograd.grad([out], wrt, [g], retain_graph=True, backend="reference"),
-        "torch.autograd": torch.autograd.grad([out], wrt, [g]),
-    }
-    for against, theirs in references.items():
-        for a, e in zip(ours, theirs):
-            torch.testing.assert_close(a, e, rtol=rtol, atol=0, equal_nan=True, msg=lambda m, against=against: f"against {against}\n{m}")
+def same_grads_as_torch(fn, *inputs, **kwargs):
+    """tests.helpers.same_grads_as_torch on the interpret backend (also against the reference executor)."""
+    helpers_same_grads_as_torch(fn, *inputs, backend=BACKEND, **kwargs)
 
 
 @pytest.mark.parametrize("reduction", test_rules_losses.REDUCTIONS)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import Case, check_case, check_grads, graph_node_names, params, rand
+from tests.helpers import Case, check_case, check_grads, graph_node_names, params, rand, same_grads_as_torch
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -163,22 +163,6 @@ def test_losses_that_decompose(name):
 
 
 # -- edges --------------------------------------------------------------------------------------
-
-
-def same_grads_as_torch(fn, *inputs, rtol=1e-12, zero_grad_every=0):
-    """Our gradients equal torch's, infinities and NaNs included, with no node left opaque; the
-    incoming gradient is 0 at every `zero_grad_every`-th element when that is set."""
-    out = fn(*inputs)
-    g = torch.linspace(1.0, 2.0, out.numel(), dtype=out.dtype)
-    if zero_grad_every:
-        g[::zero_grad_every] = 0
-    g = g.reshape(out.shape)
-    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    assert not gpuautograd.explain([out], [g]).opaque_nodes
-    ours = gpuautograd.grad([out], wrt, [g], retain_graph=True)
-    theirs = torch.autograd.grad([out], wrt, [g])
-    for a, e in zip(ours, theirs):
-        torch.testing.assert_close(a, e, rtol=rtol, atol=0, equal_nan=True)
 
 
 def bce_at_the_ends(reduction):

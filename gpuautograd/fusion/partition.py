@@ -280,7 +280,8 @@ def _emit(analysis, kernel: Kernel, stores, name: str, interpret: bool) -> Kerne
     return Emitter(analysis, sp, kernel.members, stores, name, interpret).build()
 
 
-def _step_reads(analysis: Analysis, step) -> set[str]:
+def step_reads(analysis: Analysis, step) -> set[str]:
+    """Names of the buffers a step reads (library inputs through their views)."""
     if isinstance(step, Kernel):
         return {v.name for v in step.source.loads}
     return {analysis.base(x).name for x in step.instr.inputs if isinstance(x, Value)}
@@ -292,19 +293,25 @@ def _step_writes(step) -> set[str]:
     return {o.name for o in step.instr.outputs if o is not None}
 
 
-def _path_between(analysis, kernels, libraries, a: Kernel, b: Kernel) -> bool:
-    """Is there a path a -> other steps -> b, or b -> other steps -> a?"""
-    steps = [s for s in kernels if s is not a and s is not b] + libraries + [b]
+def _data_edges(analysis: Analysis, steps: list):
+    """(producer step, consumer step) for every buffer one step writes and another reads."""
     writer = {}
-    for s in steps + [a]:
+    for s in steps:
         for v in _step_writes(s):
             writer[v] = s
-    succ: dict[int, list] = {}
-    for s in steps + [a]:
-        for v in _step_reads(analysis, s):
+    for s in steps:
+        for v in step_reads(analysis, s):
             w = writer.get(v)
             if w is not None and w is not s:
-                succ.setdefault(id(w), []).append(s)
+                yield w, s
+
+
+def _path_between(analysis, kernels, libraries, a: Kernel, b: Kernel) -> bool:
+    """Is there a path a -> other steps -> b, or b -> other steps -> a?"""
+    steps = [s for s in kernels if s is not a and s is not b] + libraries + [a, b]
+    succ: dict[int, list] = {}
+    for w, s in _data_edges(analysis, steps):
+        succ.setdefault(id(w), []).append(s)
 
     def reaches(src, dst) -> bool:
         stack = [t for t in succ.get(id(src), []) if t is not dst]
@@ -325,16 +332,9 @@ def _path_between(analysis, kernels, libraries, a: Kernel, b: Kernel) -> bool:
 def _schedule(analysis: Analysis, kernels: list[Kernel], libraries: list[Library]) -> list:
     """Topological order of the steps, keeping program order where the data allows."""
     steps = kernels + libraries
-    writer = {}
-    for s in steps:
-        for v in _step_writes(s):
-            writer[v] = s
     preds: dict[int, set[int]] = {id(s): set() for s in steps}
-    for s in steps:
-        for v in _step_reads(analysis, s):
-            w = writer.get(v)
-            if w is not None and w is not s:
-                preds[id(s)].add(id(w))
+    for w, s in _data_edges(analysis, steps):
+        preds[id(s)].add(id(w))
     order = []
     done: set[int] = set()
     pending = sorted(steps, key=lambda s: s.first if isinstance(s, Kernel) else s.position)
@@ -356,11 +356,11 @@ def _finalize(analysis: Analysis, steps: list, interpret: bool) -> None:
     needed: set[str] = {analysis.base(v).name for v, _ in prog.outputs if v is not None}
     for s in steps:
         if isinstance(s, Library):
-            needed |= _step_reads(analysis, s)
+            needed |= step_reads(analysis, s)
     for s in steps:
         if isinstance(s, Kernel):
             own = {m.name for m in s.members}
-            needed |= {v for v in _step_reads(analysis, s) if v not in own}
+            needed |= {v for v in step_reads(analysis, s) if v not in own}
     k = 0
     for s in steps:
         if isinstance(s, Kernel):

@@ -18,7 +18,7 @@ import torch
 
 from ..codegen.compile import Launcher
 from ..codegen.kernel import KernelSource
-from ..fusion.partition import ROW_MAJOR_RESULTS, FusionPlan, Kernel, Library, plan_fusion
+from ..fusion.partition import ROW_MAJOR_RESULTS, FusionPlan, Kernel, Library, plan_fusion, step_reads
 from ..ir.ops import get_op
 from ..ir.printer import format_instr
 from ..ir.program import Program, Value
@@ -94,17 +94,12 @@ class _Writer:
     # -- liveness and memory ---------------------------------------------------------------------
 
     def _uses(self) -> dict[str, int]:
-        """value id (a base buffer) -> the last step that reads it, through views included."""
+        """value name (a base buffer) -> the last step that reads it, through views included."""
         last: dict[str, int] = {}
         for k, step in enumerate(self.plan.steps):
-            for x in self._step_inputs(step):
-                last[self.a.base(x).name] = k
+            for name in step_reads(self.a, step):
+                last[name] = k
         return last
-
-    def _step_inputs(self, step) -> list[Value]:
-        if isinstance(step, Kernel):
-            return list(step.source.loads)
-        return [x for x in step.instr.inputs if isinstance(x, Value)]
 
     def _plan_memory(self) -> MemoryPlan:
         prog = self.plan.program

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib
 import warnings
 
 import torch
@@ -40,14 +41,14 @@ def _backend(backend: str | None, device: torch.device) -> str:
     if backend not in flags.BACKENDS:
         raise ValueError(f"unknown gpuautograd backend {backend!r}; available: {flags.BACKENDS}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "reference"
+        return "triton" if device.type == "cuda" and _importable("triton") else "reference"
     if backend == "interpret" and device.type != "cpu":
         raise ValueError(f"the 'interpret' backend runs Triton's interpreter on CPU tensors; this backward is on {device}")
     if backend == "triton" and device.type != "cuda":
         raise ValueError(f"the 'triton' backend needs CUDA tensors; this backward is on {device} (use 'interpret' on CPU)")
-    if backend in FUSED_BACKENDS and not _triton_available():
+    if backend in FUSED_BACKENDS and not _importable("triton"):
         raise ValueError(f"the {backend!r} backend needs the triton package, which is not importable")
-    if backend == "interpret" and not _numpy_available():
+    if backend == "interpret" and not _importable("numpy"):
         raise ValueError("the 'interpret' backend needs numpy (Triton's interpreter computes with it), which is not importable")
     return backend
 
@@ -56,18 +57,9 @@ FUSED_BACKENDS = ("interpret", "triton")
 
 
 @functools.cache
-def _numpy_available() -> bool:
+def _importable(module: str) -> bool:
     try:
-        import numpy  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True

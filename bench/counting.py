@@ -29,20 +29,25 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
 
 
 class AtenOpCounter(TorchDispatchMode):
-    """Counts every aten op dispatched inside the block, by overload, and which ones launch."""
+    """Counts every aten op dispatched inside the block, by overload, which ones launch, and the
+    bytes those read and write (every tensor argument and result)."""
 
     def __init__(self):
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.launching = 0
         self.total = 0
+        self.launching_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.total += 1
         self.ops[str(func)] += 1
+        out = func(*args, **(kwargs or {}))
         if launches_kernel(func):
             self.launching += 1
-        return func(*args, **(kwargs or {}))
+            tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(a, torch.Tensor)]
+            self.launching_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
 
 
 def count_aten_ops(fn: Callable[[], object]) -> AtenOpCounter:

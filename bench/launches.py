@@ -15,31 +15,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpuautograd
 
-from .counting import launches_kernel
+from .counting import count_aten_ops
 from .models import SUITE
-
-
-class CountOps(TorchDispatchMode):
-    """Every aten op, the ones that launch a kernel (bench.counting's rule), and their bytes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-        self.compute_ops = 0
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops += 1
-        if launches_kernel(func):
-            self.compute_ops += 1
-            tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(a, torch.Tensor)]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        return out
 
 
 def measure(name: str, dtype: torch.dtype) -> dict:
@@ -47,16 +27,15 @@ def measure(name: str, dtype: torch.dtype) -> dict:
     batch = make_batch(torch.Generator().manual_seed(0))
     loss = loss_fn(model, *batch)
     e = gpuautograd.explain(loss, backend="interpret")
-    with CountOps() as counter:
-        loss.backward()
+    counter = count_aten_ops(loss.backward)
     return {
         "model": name,
         "nodes": e.num_nodes,
-        "eager_ops": counter.ops,
-        "eager_compute_ops": counter.compute_ops,
+        "eager_ops": counter.total,
+        "eager_compute_ops": counter.launching,
         "launches": e.launches,
         "kernels": len(e.kernels),
-        "eager_bytes": counter.bytes,
+        "eager_bytes": counter.launching_bytes,
         "planned_bytes": e.bytes_moved,
         "memory": e.memory,
     }

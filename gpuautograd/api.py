@@ -226,15 +226,22 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = None) -> Explanation:
-    """Capture the backward of `tensors` without running it and without freeing anything. When
-    the backward would fall back to eager, `.program` is None and `.fallback_reason` says why."""
+def _walk_only(tensors, grad_tensors, inputs, backend):
+    """Walk the backward of `tensors` and build its key, running and freeing nothing.
+    Returns (walk, key, root edges, input edges, root gradients, accumulate)."""
     tensors = _as_tuple(tensors)
     inputs = _as_tuple(inputs)
     _check_roots(tensors)
     grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
     accumulate = not inputs
     w, key, root_edges, input_edges = engine.prepare(list(tensors), grads, list(inputs), accumulate, backend)
+    return w, key, root_edges, input_edges, grads, accumulate
+
+
+def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = None) -> Explanation:
+    """Capture the backward of `tensors` without running it and without freeing anything. When
+    the backward would fall back to eager, `.program` is None and `.fallback_reason` says why."""
+    w, key, root_edges, input_edges, grads, accumulate = _walk_only(tensors, grad_tensors, inputs, backend)
     names = [c.name for c in w.classes]
     reason = _global_fallback_reason(create_graph=False) or w.hook_reason
     entry = None if reason else engine.build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
@@ -328,12 +335,7 @@ def compile_check(tensors, grad_tensors=None, inputs=None, *, archs: Sequence[in
     Nothing runs and nothing is freed."""
     from .aot import CompileReport, compile_kernels
 
-    tensors = _as_tuple(tensors)
-    inputs = _as_tuple(inputs)
-    _check_roots(tensors)
-    grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
-    accumulate = not inputs
-    w, _key, root_edges, input_edges = engine.prepare(list(tensors), grads, list(inputs), accumulate, "reference")
+    w, _key, root_edges, input_edges, grads, accumulate = _walk_only(tensors, grad_tensors, inputs, "reference")
     if w.hook_reason:
         raise ValueError(f"compile_check: this backward would run eagerly ({w.hook_reason}), so it has no kernels")
     entry = engine.build_entry(w, grads, root_edges, input_edges, accumulate, "triton")

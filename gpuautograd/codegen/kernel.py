@@ -447,11 +447,11 @@ class Emitter:
             params += [f"{self.loads[v.name]}_s{d}" for d in range(v.ndim)]
         head, constexprs, grid, warps = self._prologue("tl.int64" if self.int64 else None)
         sig = ", ".join(params + [f"{c}: tl.constexpr" for c in constexprs])
-        header = self._header(stores)
-        lines = header + ["@triton.jit", f"def {self.name}({sig}):"] + ["    " + x for x in head + body]
-        source = "\n".join(lines) + "\n"
         bytes_read = sum(v.type.numel() * v.dtype.itemsize for v in self.load_values)
         bytes_written = sum(m.type.numel() * m.dtype.itemsize for m in stores)
+        header = self._header(stores, bytes_read, bytes_written)
+        lines = header + ["@triton.jit", f"def {self.name}({sig}):"] + ["    " + x for x in head + body]
+        source = "\n".join(lines) + "\n"
         return KernelSource(
             self.name,
             source,
@@ -497,13 +497,11 @@ class Emitter:
         head = [f"rindex = {pid} * RBLOCK + tl.arange(0, RBLOCK)[:, None]", f"rmask = rindex < {sp.rows}"]
         return head, {"RBLOCK": rblock, "CBLOCK": cblock, "COLS": sp.cols}, (-(-sp.rows // rblock),), H.num_warps(rblock * cblock)
 
-    def _header(self, stores) -> list[str]:
+    def _header(self, stores, rd: int, wr: int) -> list[str]:
         prog = self.a.program
         lines = [f"# {self.name}: {self.space}"]
         for k in sorted(self.instrs):
             lines.append("#   " + format_instr(prog.instrs[k]))
-        rd = sum(v.type.numel() * v.dtype.itemsize for v in self.load_values)
-        wr = sum(m.type.numel() * m.dtype.itemsize for m in stores)
         read_names = ", ".join(v.name for v in self.load_values) or "nothing"
         lines.append(f"# reads {rd} bytes ({read_names}), writes {wr} bytes ({', '.join(m.name for m in stores)})")
         return lines

@@ -24,7 +24,7 @@ from ..codegen.kernel import Emitter, KernelSource, NotFusible, Space, one_hot_s
 from ..codegen.lowering import LIBRARY_POINTWISE, LOWERINGS
 from ..fusion import heuristics as H
 from ..fusion.indexing import contiguous_strides
-from ..ir.ops import LAYOUT, POINTWISE, get_op
+from ..ir.ops import POINTWISE, get_op
 from ..ir.printer import format_instr
 from ..ir.program import Instr, Program, Value
 
@@ -370,4 +370,4 @@ def _finalize(analysis: Analysis, steps: list, interpret: bool) -> None:
             k += 1
 
 
-__all__ = ["plan_fusion", "FusionPlan", "Kernel", "Library", "Analysis", "fusible_reason", "LAYOUT"]
+__all__ = ["plan_fusion", "FusionPlan", "Kernel", "Library", "Analysis", "fusible_reason", "step_reads", "ROW_MAJOR_RESULTS"]

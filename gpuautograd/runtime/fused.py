@@ -23,6 +23,7 @@ from ..ir.ops import get_op
 from ..ir.printer import format_instr
 from ..ir.program import Program, Value
 from .memory import Interval, MemoryPlan, plan_memory
+from .reference import local_name
 
 # Library calls that may hand back their input: what they read must not live in the arena.
 MAY_ALIAS_INPUT = {"opaque", "to_device"}
@@ -58,10 +59,6 @@ class FusedProgram:
     @property
     def bytes_moved(self) -> int:
         return sum(k.bytes_read + k.bytes_written for k in self.kernels) + self.library_bytes
-
-
-def _local(v: Value) -> str:
-    return v.name[1:] if v.prefix else "v" + str(v.id)
 
 
 def _nbytes(v: Value) -> int:
@@ -132,7 +129,7 @@ class _Writer:
         src = self.emit_host(instr.inputs[0])
         fn = f"{instr.op}_{self.a.position[id(instr)]}"
         self.env[fn] = functools.partial(get_op(instr.op).impl, **instr.attrs)
-        name = _local(v)
+        name = local_name(v)
         self.lines.append(f"    {name} = {fn}({src})  # view")
         self.host[v.name] = name
         return name
@@ -143,12 +140,12 @@ class _Writer:
         memory = self._plan_memory()
         device = next((v.device for v, _ in prog.inputs if hasattr(v.type, "shape")), torch.device("cpu"))
         self.lines = ["def backward(args):"]
-        params = [_local(v) for v, _ in prog.inputs]
+        params = [local_name(v) for v, _ in prog.inputs]
         if params:
             self.lines.append(f"    {', '.join(params)}, = args")
             self.lines.append("    args.clear()  # the program now holds the only references")
         for v, _ in prog.inputs:
-            self.host[v.name] = _local(v)
+            self.host[v.name] = local_name(v)
         if memory.arena_bytes:
             self.lines.append(f"    # {memory.summary()}")
             self.lines.append(f"    arena = torch.empty({memory.arena_bytes}, dtype=torch.uint8, device={str(device)!r})")
@@ -179,14 +176,14 @@ class _Writer:
             self.lines.append(f"    #   {text}")
         for m in ks.stores:
             self.allocate(m, memory, device)
-        args = [self.emit_host(v) for v in ks.loads] + [_local(m) for m in ks.stores]
+        args = [self.emit_host(v) for v in ks.loads] + [local_name(m) for m in ks.stores]
         for v in ks.runtime_strides:
             args.append(f"*{self.emit_host(v)}.stride()")
         self.lines.append(f"    {ks.name}({', '.join(args)})")
         return KernelInfo(ks.name, ks.source, members, str(ks.space), ks.bytes_read, ks.bytes_written)
 
     def allocate(self, m: Value, memory: MemoryPlan, device) -> str:
-        name = _local(m)
+        name = local_name(m)
         shape = tuple(m.shape)
         if m.name in memory.offsets:
             off = memory.offsets[m.name]
@@ -219,10 +216,10 @@ class _Writer:
                 args.append(const)
             else:
                 args.append(repr(x))
-        outs = ["_" if o is None else _local(o) for o in instr.outputs]
+        outs = ["_" if o is None else local_name(o) for o in instr.outputs]
         for o in instr.outputs:
             if o is not None:
-                self.host[o.name] = _local(o)
+                self.host[o.name] = local_name(o)
                 nbytes += _nbytes(o)
         many = len(outs) > 1 or instr.op == "opaque"
         lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")

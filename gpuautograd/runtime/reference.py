@@ -23,7 +23,8 @@ class CompiledProgram:
         return self.fn(args)
 
 
-def _local(v: Value) -> str:
+def local_name(v: Value) -> str:
+    """The Python local that holds `v` in generated executors: %s3 -> s3, %12 -> v12."""
     return v.name[1:] if v.prefix else "v" + str(v.id)
 
 
@@ -37,11 +38,11 @@ def compile_reference(program: Program) -> CompiledProgram:
 
     env: dict = {}
     lines = ["def backward(args):"]
-    params = [_local(v) for v, _ in program.inputs]
+    params = [local_name(v) for v, _ in program.inputs]
     if params:
         lines.append(f"    {', '.join(params)}, = args")
         lines.append("    args.clear()  # the program now holds the only references")
-        dead = [_local(v) for v, _ in program.inputs if id(v) not in last_use and id(v) not in keep]
+        dead = [local_name(v) for v, _ in program.inputs if id(v) not in last_use and id(v) not in keep]
         if dead:
             lines.append(f"    del {', '.join(dead)}")
 
@@ -52,26 +53,26 @@ def compile_reference(program: Program) -> CompiledProgram:
         args = []
         for x in instr.inputs:
             if isinstance(x, Value):
-                args.append(_local(x))
+                args.append(local_name(x))
             elif isinstance(x, float) and not math.isfinite(x):
                 const = f"const_{len(env)}"
                 env[const] = x
                 args.append(const)
             else:
                 args.append(repr(x))
-        outs = ["_" if o is None else _local(o) for o in instr.outputs]
+        outs = ["_" if o is None else local_name(o) for o in instr.outputs]
         many = len(outs) > 1 or instr.op == "opaque"
         lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
         lines.append(f"    {lhs} = {fn_name}({', '.join(args)})")
         dead = [
-            _local(x)
+            local_name(x)
             for x in {id(x): x for x in instr.inputs if isinstance(x, Value)}.values()
             if last_use[id(x)] == k and id(x) not in keep
         ]
-        dead += [_local(o) for o in instr.outputs if o is not None and id(o) not in last_use and id(o) not in keep]
+        dead += [local_name(o) for o in instr.outputs if o is not None and id(o) not in last_use and id(o) not in keep]
         if dead:
             lines.append(f"    del {', '.join(dead)}")
-    rets = ["None" if v is None else _local(v) for v, _ in program.outputs]
+    rets = ["None" if v is None else local_name(v) for v, _ in program.outputs]
     lines.append(f"    return ({', '.join(rets)}{',' if len(rets) == 1 else ''})")
     source = "\n".join(lines) + "\n"
     exec(compile(source, "<gpuautograd backward>", "exec"), env)

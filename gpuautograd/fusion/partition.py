@@ -27,6 +27,7 @@ from ..fusion.indexing import contiguous_strides
 from ..ir.ops import POINTWISE, get_op
 from ..ir.printer import format_instr
 from ..ir.program import Instr, Program, Value
+from ..ir.types import TensorType
 
 VIEW_LAYOUT = {"reshape", "permute", "expand", "slice", "select", "flip"}
 # Library calls whose result is always a fresh row-major tensor (or written into one with out=).
@@ -38,9 +39,9 @@ def fusible_reason(instr: Instr) -> str | None:
     """None when the instruction can be generated inside a kernel, else why it can't."""
     op = instr.op
     outs = [o for o in instr.outputs if o is not None]
-    if any(o.type.numel() == 0 for o in outs):
+    if any(isinstance(o.type, TensorType) and o.type.numel() == 0 for o in outs):
         return "an empty result needs no kernel"
-    if any(isinstance(x, Value) and x.type.numel() == 0 for x in instr.inputs):
+    if any(isinstance(x, Value) and isinstance(x.type, TensorType) and x.type.numel() == 0 for x in instr.inputs):
         return "an empty operand"
     if any(o.dtype.is_complex for o in outs):
         return "complex values"

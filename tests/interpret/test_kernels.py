@@ -311,3 +311,27 @@ def test_identical_kernels_of_repeated_layers_share_one_function():
     assert 0 < loaded <= len(kernels) // 2, (loaded, len(kernels))
     report = gpuautograd.compile_check(loss_fn(model, *make_batch(torch.Generator().manual_seed(0))), archs=(90,))
     assert report.compiled == report.kernels and not report.failures
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+def test_an_opaque_node_between_kernels():
+    """A custom Function's backward runs as a library call of the live node between generated
+    kernels (the planner once read its node-typed input as a tensor)."""
+    x = rand(5, 7)
+    w = rand(7)
+    with no_kernel_fallback():
+        report = gpuautograd.explain((_Scale.apply(x.sin() * w)).exp().sum(), backend="interpret")
+        assert report.opaque_nodes == ["_ScaleBackward"]
+        ours = gpuautograd.grad((_Scale.apply(x.sin() * w)).exp().sum(), (x, w), backend="interpret")
+    theirs = torch.autograd.grad((_Scale.apply(x.sin() * w)).exp().sum(), (x, w))
+    for a, b in zip(ours, theirs):
+        assert_close(a, b)

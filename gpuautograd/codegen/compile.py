@@ -108,9 +108,10 @@ def launchable(ks: KernelSource, interpret: bool):
 
 class Launcher:
     """Launches one kernel; if compiling or launching fails, warns once and runs `fallback`
-    (the kernel's instructions through the reference ops) from then on."""
+    (the kernel's instructions through the reference ops) from then on. Without a fallback (a
+    kernel reading a pointer table has no tensors to hand one) the error propagates."""
 
-    def __init__(self, ks: KernelSource, interpret: bool, fallback) -> None:
+    def __init__(self, ks: KernelSource, interpret: bool, fallback=None) -> None:
         self.ks = ks
         self.interpret = interpret
         self.fallback = fallback
@@ -127,6 +128,8 @@ class Launcher:
         self.kernel[self.grid](*args, **self.options)
 
     def __call__(self, *args):
+        if self.fallback is None:
+            return self.launch(*args)
         if self.failed is None:
             try:
                 return self.launch(*args)
@@ -146,10 +149,12 @@ class Launcher:
 def signature(ks: KernelSource) -> tuple[dict, dict]:
     """ASTSource signature and constexprs of a kernel, from its parameters' dtypes."""
     sig = {}
-    for k, v in enumerate(ks.loads):
-        sig[f"in{k}"] = "*" + TRITON_TYPES[v.dtype]
-    for k, v in enumerate(ks.stores):
-        sig[f"out{k}"] = "*" + TRITON_TYPES[v.dtype]
+    buffers = [(f"in{k}", v) for k, v in enumerate(ks.loads)] + [(f"out{k}", m) for k, m in enumerate(ks.stores)]
+    for name, v in buffers:
+        if name in ks.table_params:  # the address of the pointer-table slot that holds the base pointer
+            sig[f"{name}_ref"] = "*i64"
+        else:
+            sig[name] = "*" + TRITON_TYPES[v.dtype]
     for v in ks.runtime_strides:
         k = ks.loads.index(v)
         for d in range(v.ndim):

@@ -15,6 +15,7 @@ computed at can't share the kernel (`NotFusible`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,33 @@ class KernelSource:
     bytes_read: int
     bytes_written: int
     int64: bool = False
+    table_params: frozenset[str] = frozenset()  # pointer parameters read from a pointer table
+
+
+def through_table(ks: KernelSource, loads: set[int], stores: set[int], aligned: set[str] | None = None) -> KernelSource:
+    """The same kernel with some base pointers read from a pointer table: parameter `in3` becomes
+    `in3_ref`, the address of a table slot, and the body first loads the pointer from it. A CUDA
+    graph then replays the kernel on whatever tensors the table names.
+
+    A pointer loaded from memory has no alignment Triton can see, so its loads would not be
+    vectorized. Parameters in `aligned` (default: all) carry `tl.multiple_of(..., 16)`, as Triton's
+    own specialization of 16-byte aligned arguments does; the caller guarantees it on every call."""
+    params = {f"in{k}": v for k, v in enumerate(ks.loads) if k in loads}
+    params |= {f"out{k}": m for k, m in enumerate(ks.stores) if k in stores}
+    if not params:
+        return ks
+    aligned = set(params) if aligned is None else aligned
+    lines = ks.source.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"def {ks.name}("))
+    head, rest = lines[at].split("(", 1)
+    args = [a.strip() for a in rest.rsplit("):", 1)[0].split(",")]
+    args = [f"{a}_ref" if a in params else a for a in args]
+    loads_ = []
+    for p, v in params.items():
+        ptr = f"tl.load({p}_ref).to(tl.pointer_type({TL_DTYPES[v.dtype]}))"
+        loads_.append(f"    {p} = tl.multiple_of({ptr}, {H.POINTER_ALIGNMENT})" if p in aligned else f"    {p} = {ptr}")
+    lines[at : at + 1] = [f"{head}({', '.join(args)}):"] + loads_
+    return dataclasses.replace(ks, source="\n".join(lines) + "\n", table_params=frozenset(params))
 
 
 class Emitter:

@@ -43,3 +43,8 @@ def next_pow2(n: int) -> int:
 
 def num_warps(tile_elements: int) -> int:
     return 8 if tile_elements >= 4096 else 4 if tile_elements >= 512 else 2 if tile_elements >= 128 else 1
+
+
+# Bytes of alignment a pointer read from the pointer table is promised to have (checked on every
+# call), so its loads vectorize as those of an argument Triton specialized as 16-byte aligned.
+POINTER_ALIGNMENT = 16

@@ -53,11 +53,12 @@ def compile_check_main(argv) -> int:
     parser.add_argument("--model", action="append", help="a model of bench/models.py SUITE (repeatable)")
     parser.add_argument("--factory", action="append", help="module:function returning a loss (repeatable)")
     parser.add_argument("--arch", action="append", type=int, help="CUDA compute capability as 80, 90 (default: 80 and 90)")
+    parser.add_argument("--backend", default="cudagraph", choices=("cudagraph", "triton"), help="whose kernels (default: cudagraph)")
     args = parser.parse_args(argv)
     archs = tuple(args.arch or (80, 90))
     failed = 0
     for name, factory in _factories(args):
-        report = gpuautograd.compile_check(_loss_from_factory(factory), archs=archs)
+        report = gpuautograd.compile_check(_loss_from_factory(factory), archs=archs, backend=args.backend)
         print(f"{name}: {report}")
         failed += len(report.failures)
     return 1 if failed else 0
@@ -66,7 +67,10 @@ def compile_check_main(argv) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "compile-check":
-        print("usage: python -m gpuautograd compile-check [--model NAME] [--factory module:function] [--arch N]", file=sys.stderr)
+        print(
+            "usage: python -m gpuautograd compile-check [--model NAME] [--factory module:function] [--arch N] [--backend cudagraph|triton]",
+            file=sys.stderr,
+        )
         return 2
     return compile_check_main(argv[1:])
 

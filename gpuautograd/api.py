@@ -328,20 +328,23 @@ def validate(
     return rows
 
 
-def compile_check(tensors, grad_tensors=None, inputs=None, *, archs: Sequence[int] = (80, 90)):
+def compile_check(tensors, grad_tensors=None, inputs=None, *, archs: Sequence[int] = (80, 90), backend: str = "cudagraph"):
     """Compile every kernel of the backward of `tensors` for each CUDA architecture, ahead of time
-    and without a GPU (the tensors may live on the CPU). Returns a CompileReport with `.compiled`
-    (successful kernel x arch compilations) and `.failures` (kernel, arch, the compiler's message).
-    Nothing runs and nothing is freed."""
+    and without a GPU (the tensors may live on the CPU), as `backend` ("cudagraph", the default on
+    CUDA, whose kernels read the pointer table, or "triton") would launch them. Returns a
+    CompileReport with `.compiled` (successful kernel x arch compilations) and `.failures` (kernel,
+    arch, the compiler's message). Nothing runs and nothing is freed."""
     from .aot import CompileReport, compile_kernels
 
     w, _key, root_edges, input_edges, grads, accumulate = _walk_only(tensors, grad_tensors, inputs, "reference")
     if w.hook_reason:
         raise ValueError(f"compile_check: this backward would run eagerly ({w.hook_reason}), so it has no kernels")
-    entry = engine.build_entry(w, grads, root_edges, input_edges, accumulate, "triton")
+    if backend not in ("cudagraph", "triton"):
+        raise ValueError(f"compile_check compiles for the CUDA backends 'cudagraph' and 'triton', not {backend!r}")
+    entry = engine.build_entry(w, grads, root_edges, input_edges, accumulate, backend)
     if entry.program is None:
         raise ValueError(f"compile_check: this backward would run eagerly ({entry.fallback_reason}), so it has no kernels")
-    sources = [step.source for step in entry.compiled.plan.kernels]
+    sources = getattr(entry.compiled, "kernel_sources", None) or [step.source for step in entry.compiled.plan.kernels]
     return compile_kernels(sources, archs, CompileReport())
 
 

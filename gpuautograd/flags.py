@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-BACKENDS = ("auto", "reference", "interpret", "triton")
+BACKENDS = ("auto", "reference", "interpret", "triton", "cudagraph", "interpret-replay")
 
 
 def _env(name: str, default: str) -> str:
@@ -41,3 +41,9 @@ def recapture_limit() -> int:
 def dump_dir() -> str:
     """GPUAUTOGRAD_DUMP_DIR: when set, every generated Triton kernel is written to this directory."""
     return _env("GPUAUTOGRAD_DUMP_DIR", "")
+
+
+def max_segments() -> int:
+    """GPUAUTOGRAD_MAX_SEGMENTS: captured segments one backward may have (opaque nodes split it);
+    beyond this the backward runs its fused kernels without graph replay, with a warning."""
+    return int(_env("GPUAUTOGRAD_MAX_SEGMENTS", "8"))

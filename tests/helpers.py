@@ -23,7 +23,7 @@ def assert_close(actual, expected, dtype=None, msg=""):
 
 
 # Backends that run generated kernels: their gradients are also checked against the reference executor.
-FUSED_BACKENDS = ("interpret", "triton")
+FUSED_BACKENDS = ("interpret", "triton", "cudagraph", "interpret-replay")
 
 # The one-time warning of a kernel that failed to compile or launch and fell back to reference ops.
 KERNEL_FAILURE = r"gpuautograd: kernel "

@@ -17,6 +17,7 @@ from torch.autograd.graph import get_gradient_edge
 from .. import distributed, flags
 from ..capture.lower import Request, lower
 from ..capture.walk import release_saved, tensor_meta, walk
+from ..fusion.partition import plan_fusion
 from ..ir.ops import get_op
 from ..ir.program import Program, Value
 from ..ir.types import TensorType
@@ -24,6 +25,7 @@ from ..ir.verifier import verify
 from ..passes import optimize
 from . import stats as stats_module
 from .accumulate import accumulate_grad, retain_grad
+from .bound import bound_or_fused
 from .cache import Entry, PlanCache, explain_miss, structure_of
 from .fused import FusedProgram, compile_fused, input_strides_of
 from .reference import compile_reference
@@ -41,19 +43,22 @@ def _backend(backend: str | None, device: torch.device) -> str:
     if backend not in flags.BACKENDS:
         raise ValueError(f"unknown gpuautograd backend {backend!r}; available: {flags.BACKENDS}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _importable("triton") else "reference"
-    if backend == "interpret" and device.type != "cpu":
-        raise ValueError(f"the 'interpret' backend runs Triton's interpreter on CPU tensors; this backward is on {device}")
-    if backend == "triton" and device.type != "cuda":
-        raise ValueError(f"the 'triton' backend needs CUDA tensors; this backward is on {device} (use 'interpret' on CPU)")
+        return "cudagraph" if device.type == "cuda" and _importable("triton") else "reference"
+    if backend in INTERPRETED and device.type != "cpu":
+        raise ValueError(f"the {backend!r} backend runs Triton's interpreter on CPU tensors; this backward is on {device}")
+    if backend in ("triton", "cudagraph") and device.type != "cuda":
+        on_cpu = "interpret" if backend == "triton" else "interpret-replay"
+        raise ValueError(f"the {backend!r} backend needs CUDA tensors; this backward is on {device} (use {on_cpu!r} on CPU)")
     if backend in FUSED_BACKENDS and not _importable("triton"):
         raise ValueError(f"the {backend!r} backend needs the triton package, which is not importable")
-    if backend == "interpret" and not _importable("numpy"):
+    if backend in INTERPRETED and not _importable("numpy"):
         raise ValueError("the 'interpret' backend needs numpy (Triton's interpreter computes with it), which is not importable")
     return backend
 
 
-FUSED_BACKENDS = ("interpret", "triton")
+FUSED_BACKENDS = ("interpret", "triton", "cudagraph", "interpret-replay")
+INTERPRETED = ("interpret", "interpret-replay")  # Triton's interpreter, on CPU tensors
+BOUND = ("cudagraph", "interpret-replay")  # the fused plan bound through a pointer table and replayed
 
 
 @functools.cache
@@ -196,7 +201,11 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
     arg_plan = [(spec.kind, spec.index) for _, spec in program.inputs]
     if backend in FUSED_BACKENDS:
         tensors = [w.saved[i] if kind == "saved" else grads[i] if kind == "grad" else None for kind, i in arg_plan]
-        compiled = compile_fused(program, input_strides_of(program, tensors), interpret=backend == "interpret")
+        strides = input_strides_of(program, tensors)
+        if backend in BOUND:
+            compiled = bound_or_fused(plan_fusion(program, strides, backend in INTERPRETED), backend in INTERPRETED)
+        else:
+            compiled = compile_fused(program, strides, interpret=backend in INTERPRETED)
     else:
         compiled = compile_reference(program)
     owned = owned_outputs(program)

@@ -17,6 +17,9 @@ class Stats:
     fallbacks: collections.Counter = field(default_factory=collections.Counter)  # reason -> count
     pass_seconds: dict[str, float] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)  # fallback reasons already warned about
+    graph_captures: int = 0  # CUDA graphs captured (one per segment of a bound plan)
+    replays: int = 0  # calls of a bound plan after its first
+    not_graphed: collections.Counter = field(default_factory=collections.Counter)  # reason -> plans
 
     def record_miss(self, reason: str) -> None:
         """`reason`: the guard that failed, in words."""
@@ -31,6 +34,9 @@ class Stats:
             "miss_reasons": list(self.miss_reasons),  # the most recent ones
             "fallbacks": dict(self.fallbacks),
             "pass_seconds": dict(self.pass_seconds),
+            "graph_captures": self.graph_captures,
+            "replays": self.replays,
+            "not_graphed": dict(self.not_graphed),
         }
 
 

@@ -22,15 +22,19 @@ def _loss(name: str) -> torch.Tensor:
     return loss_fn(model, *make_batch(torch.Generator().manual_seed(0)))
 
 
+@pytest.mark.parametrize("backend", ["cudagraph", "triton"])
 @pytest.mark.parametrize("name", sorted(SUITE))
-def test_every_kernel_of_the_suite_compiles_for_sm80_and_sm90(name):
+def test_every_kernel_of_the_suite_compiles_for_sm80_and_sm90(name, backend):
+    """For "cudagraph" these are the kernels that read their pointers from the table."""
     loss = _loss(name)
-    report = gpuautograd.compile_check(loss, archs=ARCHS)
+    report = gpuautograd.compile_check(loss, archs=ARCHS, backend=backend)
     assert report.failures == [], str(report)
     assert report.kernels >= 1
     assert report.compiled == report.kernels * len(ARCHS)
     # the plan it compiled is the one explain() shows for the GPU backend's planning
-    assert report.kernels == len(gpuautograd.explain(loss, backend="interpret").kernels)
+    shown = gpuautograd.explain(loss, backend="interpret" if backend == "triton" else "interpret-replay").kernels
+    assert report.kernels == len(shown)
+    assert (backend == "cudagraph") == any("_ref).to(tl.pointer_type(" in k.source for k in shown)
 
 
 def test_compile_failures_name_the_kernel_the_arch_and_the_message(monkeypatch):

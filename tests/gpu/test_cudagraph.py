@@ -1,0 +1,137 @@
+"""GPU tier for the "cudagraph" backend: the bound plan captured into CUDA graphs and replayed.
+
+Skipped without CUDA. The replay hazards are the ones tests/interpret/test_replay.py runs on CPU
+(tests/replay_cases.py); here they run on real graphs, plus what only CUDA has: graph counts,
+streams, and a host that runs ahead of the GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import gpuautograd
+from bench.models import SUITE
+from tests import replay_cases as rc
+from tests.helpers import assert_close, no_kernel_fallback, train_side_by_side
+
+GPU = rc.Where("cudagraph", "cuda", torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    gpuautograd.reset()
+    yield
+    gpuautograd.reset()
+
+
+@pytest.mark.parametrize("case", rc.CASES, ids=lambda c: c.__name__)
+def test_replay_hazard(case):
+    case(GPU)
+
+
+def test_dtype_change_gets_its_own_graph():
+    rc.dtype_change_gets_its_own_plan(GPU, torch.bfloat16)
+    assert gpuautograd.stats()["graph_captures"] == 2
+
+
+@pytest.mark.parametrize("fn", [rc.Double, rc.PassThrough], ids=lambda f: f.__name__)
+def test_opaque_node_splits_the_graph_into_two(fn):
+    program = rc.opaque_node_splits_the_plan_into_segments(GPU, fn)
+    assert program.graphs == 2
+
+
+def test_number_of_graphs_is_bounded(monkeypatch):
+    rc.number_of_bound_plans_is_bounded(GPU, monkeypatch)
+    live = sum(p.graphs for p in rc.bound_programs())
+    assert live <= 2
+
+
+def test_auto_is_cudagraph_on_cuda():
+    x = torch.randn(7, 13, device="cuda", requires_grad=True)
+    assert gpuautograd.explain((x.sin() * x).sum()).backend == "cudagraph"
+
+
+@pytest.mark.parametrize("name", sorted(SUITE))
+def test_suite_models_train_like_eager(name):
+    train_side_by_side(name, torch.float32, steps=4, backend="cudagraph", device="cuda")
+    (program,) = rc.bound_programs()
+    assert program.graphs >= 1 and program.replays == 3
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "cnn"])
+def test_identical_to_the_unbound_triton_backend(name):
+    """The graph replays the same kernels and library calls as the "triton" backend runs, so the
+    gradients are equal bit for bit."""
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE[name](dtype=torch.float32, device="cuda")
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        batch = make_batch(g)
+        torch.manual_seed(7)
+        GPU.backward(loss_fn(model, *batch))
+        torch.manual_seed(7)
+        with no_kernel_fallback():
+            gpuautograd.backward(loss_fn(twin, *batch), backend="triton")
+        for (pname, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), pname
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+    assert gpuautograd.stats()["replays"] == 2
+
+
+def test_one_capture_then_replays():
+    model = rc.mlp(GPU)
+    for _ in range(5):
+        GPU.backward(rc.loss_of(model, GPU.randn(8, 6)))
+    st = gpuautograd.stats()
+    assert st["graph_captures"] == 1 and st["replays"] == 4 and st["captures"] == 1
+
+
+def test_host_running_ahead_of_the_gpu():
+    """Many backwards queued without a synchronization: each must read its own addresses, so a
+    pinned table buffer is never rewritten while its copy is still queued."""
+    model = rc.mlp(GPU)
+    GPU.backward(rc.loss_of(model, GPU.randn(64, 6)))
+    model.zero_grad(set_to_none=True)
+    xs = [GPU.randn(64, 6) for _ in range(12)]
+    got = []
+    for x in xs:
+        GPU.backward(rc.loss_of(model, x))
+        got.append([g.clone() for g in rc.grads(model)])  # queued on the stream, no sync
+        model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    for x, mine in zip(xs, got):
+        for a, e in zip(mine, rc.eager_grads(model, x)):
+            GPU.close(a, e)
+
+
+def test_backward_on_another_stream():
+    model = rc.mlp(GPU)
+    GPU.backward(rc.loss_of(model, GPU.randn(8, 6)))
+    model.zero_grad(set_to_none=True)
+    side = torch.cuda.Stream()
+    for stream in (side, torch.cuda.current_stream(), side):
+        x = GPU.randn(8, 6)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            GPU.backward(rc.loss_of(model, x))
+        torch.cuda.current_stream().wait_stream(stream)
+        for a, e in zip(rc.grads(model), rc.eager_grads(model, x)):
+            GPU.close(a, e)
+        model.zero_grad(set_to_none=True)
+    assert gpuautograd.stats()["replays"] == 3
+
+
+def test_no_activation_is_copied_for_generated_kernels():
+    """Only library inputs are mirrored: a pointwise-only backward has no copy step at all."""
+    x = torch.randn(4096, device="cuda", requires_grad=True)
+    report = gpuautograd.explain((x.sin() * x.exp()).sum())
+    assert "CI" not in report.source and report.launches == len(report.kernels)
+    for _ in range(3):
+        x = torch.randn(4096, device="cuda", requires_grad=True)
+        GPU.backward((x.sin() * x.exp()).sum())
+        assert_close(x.grad, x.cos() * x.exp() + x.sin() * x.exp(), rtol=1e-5, atol=1e-6)

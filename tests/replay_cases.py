@@ -1,0 +1,300 @@
+"""Replay hazards of a bound plan, written down once (in the manner of tinygrad's
+test_jit_footguns.py) and run by two tiers: on CPU through the "interpret-replay" backend
+(tests/interpret/test_replay.py) and on CUDA through "cudagraph" (tests/gpu/test_cudagraph.py).
+
+Each case feeds new tensors at new addresses on every step and compares with eager autograd:
+a replay that read an address any other way than through the pointer table would read the first
+call's tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import gpuautograd
+from gpuautograd.runtime.bound import BoundProgram
+from gpuautograd.runtime.engine import CACHE
+from tests.helpers import no_kernel_fallback
+
+
+@dataclass(frozen=True)
+class Where:
+    backend: str
+    device: str
+    dtype: torch.dtype
+
+    def randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, dtype=self.dtype, device=self.device)
+
+    def close(self, actual, expected) -> None:
+        if self.dtype == torch.float64:
+            assert_close(actual, expected)
+        else:  # float32 on the GPU: other summation orders than eager's kernels
+            assert_close(actual, expected, rtol=2e-4, atol=2e-5)
+
+    def backward(self, loss, **kw) -> None:
+        with no_kernel_fallback():
+            gpuautograd.backward(loss, backend=self.backend, **kw)
+
+
+def mlp(w: Where, dropout=0.0):
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 12), nn.GELU(), nn.Dropout(dropout), nn.LayerNorm(12), nn.Linear(12, 3)]
+    return nn.Sequential(*layers).to(device=w.device, dtype=w.dtype)
+
+
+def loss_of(model, x):
+    return model(x).square().mean()
+
+
+def grads(model):
+    return [p.grad for p in model.parameters()]
+
+
+def eager_grads(model, x, scale=1.0):
+    twin = copy.deepcopy(model)
+    twin.zero_grad(set_to_none=True)
+    (loss_of(twin, x) * scale).backward()
+    return grads(twin)
+
+
+def bound_programs() -> list[BoundProgram]:
+    return [e.compiled for e in CACHE.entries.values() if isinstance(e.compiled, BoundProgram)]
+
+
+def replays() -> int:
+    return gpuautograd.stats()["replays"]
+
+
+def grad_held_across_steps_is_never_overwritten(w: Where):
+    model = mlp(w)
+    w.backward(loss_of(model, w.randn(4, 6)))
+    held = grads(model)
+    kept = [g.clone() for g in held]
+    model.zero_grad(set_to_none=True)
+    for _ in range(2):  # replays write fresh memory, not the tensors the user still holds
+        x = w.randn(4, 6)
+        w.backward(loss_of(model, x))
+        for mine, expected in zip(grads(model), eager_grads(model, x)):
+            w.close(mine, expected)
+        model.zero_grad(set_to_none=True)
+    for g, k in zip(held, kept):
+        assert torch.equal(g, k)
+    assert replays() == 2
+
+
+def accumulation_over_micro_batches(w: Where):
+    model = mlp(w)
+    twin = copy.deepcopy(model)
+    for _ in range(3):
+        x = w.randn(5, 6)
+        w.backward(loss_of(model, x))
+        loss_of(twin, x).backward()
+    for a, b in zip(grads(model), grads(twin)):
+        w.close(a, b)
+    assert replays() == 2
+
+
+def set_to_none_and_zero_grad_between_steps(w: Where):
+    model = mlp(w)
+    twin = copy.deepcopy(model)
+    for step in range(4):
+        x = w.randn(5, 6)
+        w.backward(loss_of(model, x))
+        loss_of(twin, x).backward()
+        for a, b in zip(grads(model), grads(twin)):
+            w.close(a, b)
+        model.zero_grad(set_to_none=step % 2 == 0)
+        twin.zero_grad(set_to_none=step % 2 == 0)
+
+
+def shape_change_recaptures_and_says_why(w: Where):
+    model = mlp(w)
+    for batch in (4, 4, 7, 7, 4):
+        x = w.randn(batch, 6)
+        w.backward(loss_of(model, x))
+        for mine, expected in zip(grads(model), eager_grads(model, x)):
+            w.close(mine, expected)
+        model.zero_grad(set_to_none=True)
+    st = gpuautograd.stats()
+    assert st["captures"] == 2 and st["replays"] == 3
+    assert "12 -> 21" in st["miss_reasons"][1], st["miss_reasons"]  # the mean's element count: 4x3 -> 7x3
+
+
+def dtype_change_gets_its_own_plan(w: Where, other: torch.dtype):
+    model = mlp(w)
+    narrow = copy.deepcopy(model).to(other)
+    for _ in range(2):
+        x = w.randn(4, 6)
+        w.backward(loss_of(model, x))
+        w.backward(loss_of(narrow, x.to(other)))
+        for a, b, e in zip(grads(model), grads(narrow), eager_grads(model, x)):
+            w.close(a, e)
+            assert b.dtype == other
+            assert_close(b.to(e.dtype), e, rtol=2e-2, atol=2e-3)
+        model.zero_grad(set_to_none=True)
+        narrow.zero_grad(set_to_none=True)
+    assert len(bound_programs()) == 2
+    assert replays() == 2
+
+
+def python_scalar_that_changes_between_steps(w: Where):
+    """A loss scale that changes every step must not replay the old value. `loss * scale` saves the
+    Python number as a wrapped 0-dim tensor, so the program reads it through the table like any
+    saved tensor: the new value is used and nothing recaptures."""
+    model = mlp(w)
+    for scale in (1.0, 1024.0, 1024.0, 0.5):
+        x = w.randn(4, 6)
+        w.backward(loss_of(model, x) * scale)
+        for mine, expected in zip(grads(model), eager_grads(model, x, scale)):
+            w.close(mine, expected)
+        model.zero_grad(set_to_none=True)
+    st = gpuautograd.stats()
+    assert st["captures"] == 1 and st["replays"] == 3
+
+
+def non_contiguous_inputs(w: Where):
+    model = mlp(w)
+    for _ in range(3):
+        x = w.randn(6, 9)[:, 1:6].t()  # transposed and offset
+        assert not x.is_contiguous()
+        w.backward(loss_of(model, x))
+        for mine, expected in zip(grads(model), eager_grads(model, x)):
+            w.close(mine, expected)
+        model.zero_grad(set_to_none=True)
+    assert replays() == 2
+
+
+def two_models_interleaved(w: Where):
+    a = mlp(w)
+    b = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).to(device=w.device, dtype=w.dtype)
+    for _ in range(3):
+        x = w.randn(3, 6)
+        w.backward(loss_of(a, x))
+        w.backward(loss_of(b, x))
+        for m in (a, b):
+            for mine, expected in zip(grads(m), eager_grads(m, x)):
+                w.close(mine, expected)
+            m.zero_grad(set_to_none=True)
+    assert len(bound_programs()) == 2
+    assert replays() == 4
+
+
+def dropout_each_backward_uses_its_own_forward_mask(w: Where):
+    """Two forwards, two masks; the backwards run in the opposite order and must each read their
+    own forward's mask through the table."""
+    model = mlp(w, dropout=0.5)
+    model.train()
+    xs = [w.randn(8, 6) for _ in range(3)]
+    w.backward(loss_of(model, xs[0]))  # the first call captures; the two below replay
+    model.zero_grad(set_to_none=True)
+    twin = copy.deepcopy(model)
+    torch.manual_seed(11)
+    loss1, loss2 = loss_of(model, xs[1]), loss_of(model, xs[2])
+    torch.manual_seed(11)
+    t1, t2 = loss_of(twin, xs[1]), loss_of(twin, xs[2])
+    for ours, theirs in ((loss2, t2), (loss1, t1)):
+        w.backward(ours)
+        theirs.backward()
+        for a, b in zip(grads(model), grads(twin)):
+            w.close(a, b)
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+    assert replays() == 2
+
+
+class Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class PassThrough(torch.autograd.Function):
+    """Its backward returns the incoming gradient itself: a static buffer of the replayed plan."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def split_model(w: Where):
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(6, 10), nn.GELU()).to(device=w.device, dtype=w.dtype)
+    last = nn.Sequential(nn.LayerNorm(10), nn.Linear(10, 3)).to(device=w.device, dtype=w.dtype)
+    return first, last
+
+
+def opaque_node_splits_the_plan_into_segments(w: Where, fn):
+    first, last = split_model(w)
+    params = list(first.parameters()) + list(last.parameters())
+    twin_first, twin_last = copy.deepcopy(first), copy.deepcopy(last)
+    twin_params = list(twin_first.parameters()) + list(twin_last.parameters())
+    held = kept = None
+    for step in range(3):
+        x = w.randn(4, 6)
+        w.backward(last(fn.apply(first(x))).square().mean())
+        twin_last(fn.apply(twin_first(x))).square().mean().backward()
+        for p, q in zip(params, twin_params):
+            w.close(p.grad, q.grad)
+        if step == 0:
+            held = [p.grad for p in params]
+            kept = [g.clone() for g in held]
+        for p, q in zip(params, twin_params):
+            p.grad = q.grad = None
+    for g, k in zip(held, kept):  # an eager step's result that aliased a static buffer was copied
+        assert torch.equal(g, k)
+    (program,) = bound_programs()
+    assert len(program.segments) == 2 and program.replays == 2
+    assert "def eager1(D):" in program.source and "def segment1():" in program.source
+    return program
+
+
+def replay_reads_this_calls_tensors_while_older_ones_are_alive(w: Where):
+    """Old inputs stay alive (so their memory is not reused): a replay that read a stale address
+    would return their gradients."""
+    model = mlp(w)
+    alive = []
+    for k in range(3):
+        x = w.randn(4, 6) * (k + 1)
+        loss = loss_of(model, x)
+        alive.append((x, loss))
+        w.backward(loss, retain_graph=True)
+        for mine, expected in zip(grads(model), eager_grads(model, x)):
+            w.close(mine, expected)
+        model.zero_grad(set_to_none=True)
+    assert replays() == 2
+
+
+def number_of_bound_plans_is_bounded(w: Where, monkeypatch):
+    monkeypatch.setenv("GPUAUTOGRAD_CACHE_SIZE", "2")
+    model = mlp(w)
+    for batch in (2, 3, 4, 2, 3, 4):
+        w.backward(loss_of(model, w.randn(batch, 6)))
+        assert len(bound_programs()) <= 2
+    assert replays() == 0  # a cache of two can't keep three shapes
+
+
+CASES = [
+    grad_held_across_steps_is_never_overwritten,
+    accumulation_over_micro_batches,
+    set_to_none_and_zero_grad_between_steps,
+    shape_change_recaptures_and_says_why,
+    python_scalar_that_changes_between_steps,
+    non_contiguous_inputs,
+    two_models_interleaved,
+    dropout_each_backward_uses_its_own_forward_mask,
+    replay_reads_this_calls_tensors_while_older_ones_are_alive,
+]

@@ -47,3 +47,16 @@ def max_segments() -> int:
     """GPUAUTOGRAD_MAX_SEGMENTS: captured segments one backward may have (opaque nodes split it);
     beyond this the backward runs its fused kernels without graph replay, with a warning."""
     return int(_env("GPUAUTOGRAD_MAX_SEGMENTS", "8"))
+
+
+EXTERN_BINDINGS = ("copy", "table")
+
+
+def extern_binding() -> str:
+    """GPUAUTOGRAD_EXTERN_BINDING: how a replayed matmul reads operands that change address:
+    "copy" (default) copies them into static mirrors for cuBLAS inside the graph; "table" runs a
+    Triton matmul that reads them from the pointer table (bench/extern_binding.py compares them)."""
+    value = _env("GPUAUTOGRAD_EXTERN_BINDING", "copy")
+    if value not in EXTERN_BINDINGS:
+        raise ValueError(f"GPUAUTOGRAD_EXTERN_BINDING={value!r} is not one of {EXTERN_BINDINGS}")
+    return value

@@ -287,7 +287,27 @@ def number_of_bound_plans_is_bounded(w: Where, monkeypatch):
     assert replays() == 0  # a cache of two can't keep three shapes
 
 
+def parameter_that_moves_is_recaptured(w: Where):
+    """Library calls read weights in place (their address holds from step to step); a weight given
+    new storage must not be read at its old address: the plan binds and captures again."""
+    model = mlp(w)
+    for step in range(4):
+        if step == 2:
+            model[4].weight.data = model[4].weight.data.clone()  # new storage, same values
+        x = w.randn(4, 6)
+        w.backward(loss_of(model, x))
+        for mine, expected in zip(grads(model), eager_grads(model, x)):
+            w.close(mine, expected)
+        model.zero_grad(set_to_none=True)
+    (program,) = bound_programs()
+    assert any(r.pinned is not None for r in program.refs)
+    st = gpuautograd.stats()
+    assert st["replays"] == 2 and st["captures"] == 1
+    assert any(r.startswith("recapture:") and "moved" in r for r in st["miss_reasons"]), st["miss_reasons"]
+
+
 CASES = [
+    parameter_that_moves_is_recaptured,
     grad_held_across_steps_is_never_overwritten,
     accumulation_over_micro_batches,
     set_to_none_and_zero_grad_between_steps,

@@ -27,9 +27,9 @@ COPY_NUM_WARPS = 4
 # Cap of the grid's second dimension (CUDA allows 65535): programs loop over the chunks beyond it,
 # so a huge entry needs no huge grid.
 MAX_CHUNK_PROGRAMS = 1024
-# The interpreter runs each program in Python: small chunks and few programs, so its tests still
-# cover several chunks per entry and the grid-stride loop.
-INTERPRET_COPY_CHUNK_BYTES = 256
+# The interpreter runs each program in Python, and numpy copies a large chunk as fast as a small
+# one: large chunks, few programs. (The tests pass small `chunk_bytes` to cover the grid-stride loop.)
+INTERPRET_COPY_CHUNK_BYTES = 16384
 INTERPRET_MAX_CHUNK_PROGRAMS = 4
 MAX_GRID_DIM1 = 65535  # CUDA's limit on gridDim.y
 VECTOR_BYTES = 16  # width of the vectorized loads of the aligned path

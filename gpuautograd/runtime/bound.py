@@ -42,10 +42,17 @@ from .table import PointerTable
 # Steps a CUDA graph can't hold: an opaque node calls Python (a custom Function's backward), a
 # device move synchronizes. They run on the host between captured segments.
 EAGER_OPS = {"opaque", "to_device"}
+# Library calls GPUAUTOGRAD_EXTERN_BINDING=table runs as triton_kernels.table_matmul, and its dtypes.
+TABLE_MATMUL_OPS = {"mm", "bmm"}
+TABLE_MATMUL_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 
 
 class NotBindable(Exception):
     """This plan can't run through the pointer table (the message says why)."""
+
+
+class Moved(Exception):
+    """A pinned parameter has a new address: the plan must be bound and captured again."""
 
 
 @dataclass
@@ -62,6 +69,8 @@ class DynRef:
     strides: tuple = ()
     span: int = 0  # elements from the first to the last one it covers
     aligned: bool = True  # 16-byte aligned at warm-up: kernels may vectorize it, and every call checks it
+    mirrored: bool = False  # a library call reads it (through a static mirror, or pinned)
+    pinned: int | None = None  # a parameter's address, read in place by library calls; every call checks it
 
 
 @dataclass
@@ -87,6 +96,7 @@ class Segment:
     name: str
     graph: object = None  # torch.cuda.CUDAGraph once captured
     copies: list = field(default_factory=list)  # (global name, direction, [(rid, static)]) built at warm-up
+    matmuls: list = field(default_factory=list)  # (global name, instr, operands) built at warm-up
     kernels: list[KernelBinding] = field(default_factory=list)
 
 
@@ -126,6 +136,7 @@ class _BoundWriter(_Writer):
         self.roots = self.inputs | set(self.eager_group) | self.fresh_kernel | self.fresh_library
         self.refs: dict[str, DynRef] = {}
         self.statics: dict[str, tuple] = {}  # global name -> (value, arena offset or None)
+        self.static_values: set[str] = set()  # names of the values those buffers hold
         self.copy_launches = 0  # table copies into static mirrors and out of static buffers
         self.kernel_sources: list[KernelSource] = []  # as launched: reading the table
 
@@ -149,6 +160,8 @@ class _BoundWriter(_Writer):
         """A buffer allocated once, when the program is built, shared by every replay."""
         name = local_name(m) + suffix
         self.statics[name] = (m, self.memory.offsets.get(m.name) if not suffix else None)
+        if not suffix:
+            self.static_values.add(m.name)
         self.host[m.name] = name if not suffix else self.host.get(m.name, name)
         return name
 
@@ -176,14 +189,54 @@ class _BoundWriter(_Writer):
         self.lines.append(f"    {ks.name}({', '.join(args)})")
         return KernelInfo(ks.name, bound.source, members, str(ks.space), ks.bytes_read, ks.bytes_written)
 
+    def write_table_matmul(self, step: Library) -> int | None:
+        """GPUAUTOGRAD_EXTERN_BINDING=table: a matmul whose operands change address runs as
+        `TableMatmul`, reading them (and writing a gradient the caller receives) through the table,
+        instead of cuBLAS on static mirrors. None when it can't (an operand allocated during the
+        capture, a dtype it doesn't take): then the copy binding is used."""
+        instr = step.instr
+        out = instr.outputs[0]
+        if out.dtype not in TABLE_MATMUL_DTYPES:
+            return None
+        operands = []
+        for x in instr.inputs:
+            if self.dynamic(x):
+                operands.append(("slot", self.ref(x).rid))
+            elif self.a.base(x).name in self.static_values:
+                operands.append(("static", x))
+            else:
+                return None
+        alone = out.name in self.fresh_library and not self.a.users.get(out.name)
+        if alone:  # only the caller reads it: written straight into the call's fresh buffer
+            operands.append(("slot", self.ref(out, out.name).rid))
+        else:
+            operands.append(("static", out))
+            self.static(out)
+        for x in instr.inputs:
+            if self.dynamic(x):
+                self.ref(x).mirrored = True  # a library operand: pinned when it is a parameter
+        name = f"TM{step.position}"
+        self.segment.matmuls.append((name, instr, operands))
+        self.lines.append(f"    {name}()  # library: {format_instr(instr)}, through the table")
+        if out.name in self.fresh_library and not alone:
+            self.segment.copies.append((f"CO{step.position}", "out", [self.ref(out, out.name).rid]))
+            self.copy_launches += 1
+            self.lines.append(f"    CO{step.position}()  # copy {out.name} out to fresh memory")
+        return sum(_nbytes(x) for x in instr.inputs) + _nbytes(out)
+
     def write_library(self, step: Library, memory) -> int:
         instr = step.instr
+        if instr.op in TABLE_MATMUL_OPS and flags.extern_binding() == "table":
+            nbytes = self.write_table_matmul(step)
+            if nbytes is not None:
+                return nbytes
         mirrored = [x for x in instr.inputs if isinstance(x, Value) and self.dynamic(x)]
         if mirrored:  # a library can't read the table: copy the inputs into static mirrors first
             self.segment.copies.append((f"CI{step.position}", "in", [self.ref(x).rid for x in mirrored]))
             self.copy_launches += 1
             self.lines.append(f"    CI{step.position}()  # copy {', '.join(x.name for x in mirrored)} into static mirrors")
             for x in mirrored:
+                self.ref(x).mirrored = True
                 self.host[x.name] = f"M{self.ref(x).rid}"
         out = instr.outputs[0]
         if instr.op in WRITES_INTO and (out.name in memory.offsets or out.name in self.fresh_library):
@@ -281,6 +334,17 @@ class _BoundWriter(_Writer):
         self._define("outputs")
 
 
+def _nothing() -> None:
+    """A table copy left with nothing to copy (its inputs are pinned parameters)."""
+
+
+def _parameter_backed(t: torch.Tensor) -> bool:
+    """A leaf that requires grad (a parameter), or a view of one (a Linear saves `weight.t()`)."""
+    while t._base is not None:
+        t = t._base
+    return t.is_leaf and t.requires_grad
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
@@ -336,6 +400,7 @@ class BoundProgram(FusedProgram):
         # refs some kernel reads with the alignment promise: each call checks their addresses
         self.vectorized = {rid for seg in self.segments for b in seg.kernels for rid in b.params.values()}
         self.must_align: list[list[int]] = [[] for _ in self.groups]
+        self.must_stay: list[list[tuple[int, int]]] = [[] for _ in self.groups]
         for r in refs:
             self.env[f"T{r.rid}"] = self.table.device_table[r.slot : r.slot + 1]
         self._allocate_statics()
@@ -357,11 +422,14 @@ class BoundProgram(FusedProgram):
 
     def _allocate_statics(self) -> None:
         arena = torch.empty(self.memory.arena_bytes, dtype=torch.uint8, device=self.device) if self.memory.arena_bytes else None
+        self.static_tensors: dict[str, torch.Tensor] = {}  # value name -> its static buffer
         for name, (m, offset) in self.w.statics.items():
             if offset is not None:
                 self.env[name] = arena[offset : offset + _nbytes(m)].view(m.dtype).view(tuple(m.shape))
             else:
                 self.env[name] = torch.empty(tuple(m.shape), dtype=m.dtype, device=self.device)
+            if not name.endswith("_static"):
+                self.static_tensors[m.name] = self.env[name]
 
     # -- one call ------------------------------------------------------------------------------------
 
@@ -376,9 +444,14 @@ class BoundProgram(FusedProgram):
             return self._first_call(D)
         try:
             return self._replay(D)
+        except Moved as e:  # checked before anything ran: bind and capture again
+            stats_module.STATS.record_miss(f"recapture: {e}")
+            if flags.debug_level() >= 1:
+                print(f"[gpuautograd] recapture: {e}")
+            self.ready = False
+            return self._first_call(D)
         except NotBindable as e:  # an eager step changed its result's layout: this plan can't replay it
-            self.fallback = unbound(self.plan, self.interpret, str(e))
-            return self.fallback([D[name] for name in self.input_names])
+            return self._give_up(str(e), D)
 
     def _replay(self, D: dict):
         self.table.begin()
@@ -406,6 +479,9 @@ class BoundProgram(FusedProgram):
                 if addresses[k] % POINTER_ALIGNMENT:
                     r = members[k]
                     raise NotBindable(f"{r.value.name} (a view of {r.root}) lost the 16-byte alignment the captured kernels assume")
+            for k, address in self.must_stay[group]:
+                if addresses[k] != address:
+                    raise Moved(f"{members[k].value.name} (a parameter the library calls read in place) moved")
             self.table.write(lo, addresses)
             self.table.upload(lo, hi)
 
@@ -433,8 +509,15 @@ class BoundProgram(FusedProgram):
             r.span = span(t)
             r.aligned = t.data_ptr() % POINTER_ALIGNMENT == 0
             self.env[f"S{r.rid}"] = t.stride()
+            r.pinned = None
+            if r.mirrored and _parameter_backed(root):
+                # a weight keeps its address from step to step: library calls read it in place
+                # instead of copying it into a mirror on every replay
+                r.pinned = t.data_ptr()
+                self.env[f"M{r.rid}"] = t
         members = self.groups[group][2]
         self.must_align[group] = [k for k, r in enumerate(members) if r.aligned and r.rid in self.vectorized]
+        self.must_stay[group] = [(k, r.pinned) for k, r in enumerate(members) if r.pinned is not None]
 
     def _prepare(self, seg: Segment) -> None:
         """Before the segment's warm-up: kernels learn which pointers are aligned, library inputs
@@ -448,6 +531,8 @@ class BoundProgram(FusedProgram):
             entries = []
             for rid in rids:
                 r = refs[rid]
+                if direction == "in" and r.pinned is not None:
+                    continue
                 if direction == "in":
                     mirror = torch.empty(max(r.span, 1), dtype=r.value.dtype, device=self.device)
                     self.env[f"M{rid}"] = torch.as_strided(mirror, tuple(r.value.shape), r.strides)
@@ -455,7 +540,29 @@ class BoundProgram(FusedProgram):
                 else:
                     static = self.env.get(local_name(r.value) + "_static", self.env.get(local_name(r.value)))
                     entries.append((r.slot, static.view(-1), static.numel()))
-            self.env[name] = TableCopy(self.table.device_table, entries, direction, self.interpret)
+            self.env[name] = TableCopy(self.table.device_table, entries, direction, self.interpret) if entries else _nothing
+        for name, instr, operands in seg.matmuls:
+            self.env[name] = self._table_matmul(instr, operands, refs)
+
+    def _table_matmul(self, instr, operands, refs):
+        from ..triton_kernels.table_matmul import TableMatmul
+
+        specs, strides = [], []
+        for kind, x in operands:
+            if kind == "slot":
+                r = refs[x]
+                t = self.env[f"M{r.rid}"] if r.pinned is not None else None
+                specs.append(("static", t) if t is not None else ("slot", r.slot))
+                shape, st = tuple(r.value.shape), r.strides
+            else:
+                t = _evaluate(self.w.a, x, self.static_tensors)
+                specs.append(("static", t))
+                shape, st = tuple(t.shape), t.stride()
+            strides.append((0, *st) if len(shape) == 2 else tuple(st))
+        a, b = (x.shape if kind == "static" else refs[x].value.shape for kind, x in operands[:2])
+        batch = a[0] if len(a) == 3 else 1
+        dims = (batch, a[-2], b[-1], a[-1])
+        return TableMatmul(self.table.device_table, *specs, dims, tuple(strides), instr.outputs[0].dtype, self.interpret)
 
     def _first_call(self, D: dict):
         cuda = self.device.type == "cuda"
@@ -517,6 +624,17 @@ class BoundProgram(FusedProgram):
         if flags.debug_level() >= 1:
             graphs, slots = len(self.segments), len(self.refs)
             print(f"[gpuautograd] captured {graphs} CUDA graph(s), {slots} table slots, {self.launches} launches per replay")
+
+    def launches_per_replay(self) -> tuple[int, int]:
+        """After the first call: (kernel launches inside the segments, what the host issues per
+        replay: one launch per graph, one table upload per group that has slots, each eager step)."""
+        inside = self.launches - self.w.copy_launches - sum(isinstance(s, EagerStep) for s in self.schedule)
+        for seg in self.segments:
+            for name, _direction, _rids in seg.copies:
+                inside += len(getattr(self.env[name], "launches", ()))
+        uploads = sum(hi > lo for lo, hi, _ in self.groups)
+        eager = len(self.schedule) - len(self.segments)
+        return inside, len(self.segments) + uploads + eager
 
     @property
     def graphs(self) -> int:

@@ -83,6 +83,14 @@ def test_identical_to_the_unbound_triton_backend(name):
     assert gpuautograd.stats()["replays"] == 2
 
 
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama"])
+def test_table_matmul_binding_trains_like_eager(name, monkeypatch):
+    monkeypatch.setenv("GPUAUTOGRAD_EXTERN_BINDING", "table")
+    train_side_by_side(name, torch.float32, steps=3, backend="cudagraph", device="cuda")
+    (program,) = rc.bound_programs()
+    assert "through the table" in program.source and program.graphs >= 1
+
+
 def test_one_capture_then_replays():
     model = rc.mlp(GPU)
     for _ in range(5):

@@ -55,6 +55,16 @@ def test_suite_models_train_like_eager(name):
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "llama"])
+def test_table_matmul_binding_trains_like_eager(name, monkeypatch):
+    """GPUAUTOGRAD_EXTERN_BINDING=table: matmuls read their changing operands from the table
+    (triton_kernels.table_matmul) instead of cuBLAS on copies (float32: the kernel's dtypes)."""
+    monkeypatch.setenv("GPUAUTOGRAD_EXTERN_BINDING", "table")
+    train_side_by_side(name, torch.float32, steps=3, backend=REPLAY)
+    (program,) = rc.bound_programs()
+    assert "through the table" in program.source and program.replays == 2
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama"])
 def test_bitwise_equal_to_the_unbound_fused_plan(name):
     """Reading pointers from the table changes no arithmetic: replayed gradients equal the plain
     fused ("interpret") backend's bit for bit."""

@@ -41,7 +41,7 @@ def _rows(data: dict) -> dict[tuple[str, str], dict]:
 
 GATED_PREFIX = "gpuautograd:"
 # Validation-only modes: their speed is the Triton interpreter's, not this code's; their gradients stay gated.
-SPEED_NOT_GATED = {"gpuautograd:interpret"}
+SPEED_NOT_GATED = {"gpuautograd:interpret", "gpuautograd:interpret-replay"}
 METRICS = ("speedup_vs_eager", "cpu_speedup_vs_eager", "host_speedup_vs_eager")
 
 

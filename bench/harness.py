@@ -24,7 +24,11 @@ from .suite import BenchModel, bench_models, transformers_available
 
 # Modes too slow to run on every model in --quick: their compile (inductor) or execution (the
 # Triton interpreter runs every kernel in numpy) costs seconds to tens of seconds per model.
-SLOW_MODES = {COMPILED_AUTOGRAD: "its inductor compile takes 5-20 s per model", "gpuautograd:interpret": "the Triton interpreter is slow"}
+SLOW_MODES = {
+    COMPILED_AUTOGRAD: "its inductor compile takes 5-20 s per model",
+    "gpuautograd:interpret": "the Triton interpreter is slow",
+    "gpuautograd:interpret-replay": "the Triton interpreter is slow",
+}
 QUICK_SLOW_MODELS = ("mlp",)
 
 

@@ -4,6 +4,8 @@ For each model of the suite: the aten ops that eager `loss.backward()` dispatche
 TorchDispatchMode, all ops and the ones that launch a kernel), the launches of the fused plan
 (generated kernels plus library calls, from `explain().launches`), and the bytes each moves
 (eager: inputs plus outputs of every non-view op; fused: the plan's kernels and library calls).
+For "cudagraph": the launches inside its graphs (the plan plus the table copies of library inputs
+and outputs) and what the host issues per replay (graph launches, table uploads, eager steps).
 
     python -m bench.launches [--dtype float32]
 
@@ -17,9 +19,22 @@ import argparse
 import torch
 
 import gpuautograd
+from gpuautograd.runtime import engine
 
 from .counting import count_aten_ops
 from .models import SUITE
+
+
+def _replayed(model, make_batch, loss_fn) -> tuple[int, int]:
+    """The bound plan of "cudagraph", as "interpret-replay" runs it on the CPU, after its first
+    call (parameters read in place are known then): launches inside the graphs, and what the host
+    issues per replay (graph launches, table uploads, eager steps)."""
+    gpuautograd.reset()
+    batch = make_batch(torch.Generator().manual_seed(0))
+    gpuautograd.backward(loss_fn(model, *batch), backend="interpret-replay")
+    model.zero_grad(set_to_none=True)
+    program = list(engine.CACHE.entries.values())[-1].compiled
+    return program.launches_per_replay()
 
 
 def measure(name: str, dtype: torch.dtype) -> dict:
@@ -27,6 +42,7 @@ def measure(name: str, dtype: torch.dtype) -> dict:
     batch = make_batch(torch.Generator().manual_seed(0))
     loss = loss_fn(model, *batch)
     e = gpuautograd.explain(loss, backend="interpret")
+    in_graph, host_calls = _replayed(model, make_batch, loss_fn)
     counter = count_aten_ops(loss.backward)
     return {
         "model": name,
@@ -34,6 +50,8 @@ def measure(name: str, dtype: torch.dtype) -> dict:
         "eager_ops": counter.total,
         "eager_compute_ops": counter.launching,
         "launches": e.launches,
+        "in_graph": in_graph,
+        "host_calls": host_calls,
         "kernels": len(e.kernels),
         "eager_bytes": counter.launching_bytes,
         "planned_bytes": e.bytes_moved,
@@ -47,7 +65,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     header = f"{'model':<16}{'nodes':>6}{'eager ops':>10}{'(compute)':>10}{'launches':>9}{'kernels':>8}{'ops/launch':>11}"
-    header += f"{'eager MB':>9}{'plan MB':>9}{'bytes':>7}"
+    header += f"{'eager MB':>9}{'plan MB':>9}{'bytes':>7}{'in graph':>9}{'host/replay':>12}"
     print(f"launches per backward, {args.dtype}: eager aten ops (TorchDispatchMode) vs the fused plan")
     print(header)
     for name in SUITE:
@@ -55,7 +73,7 @@ def main(argv=None) -> None:
         print(
             f"{r['model']:<16}{r['nodes']:>6}{r['eager_ops']:>10}{r['eager_compute_ops']:>10}{r['launches']:>9}{r['kernels']:>8}"
             f"{r['eager_ops'] / r['launches']:>10.1f}x{r['eager_bytes'] / 1e6:>9.2f}{r['planned_bytes'] / 1e6:>9.2f}"
-            f"{r['planned_bytes'] / r['eager_bytes']:>6.2f}x"
+            f"{r['planned_bytes'] / r['eager_bytes']:>6.2f}x{r['in_graph']:>9}{r['host_calls']:>12}"
         )
         print(f"{'':<16}memory: {r['memory']}")
 

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks, as the self-hosted GPU runner runs them: the GPU test tier, then the quick
-# benchmark on CUDA, which writes OUT_DIR/results.json and OUT_DIR/speedup.png.
+# The GPU checks, as the self-hosted GPU runner runs them: the GPU test tier (a JUnit report in
+# OUT_DIR/gpu_tests.xml), the quick benchmark on CUDA (eager, compiled autograd, triton and
+# cudagraph on the model suite: OUT_DIR/results.json and OUT_DIR/speedup.png), the host time per
+# node on the replay path (OUT_DIR/host_overhead.json) and the extern-input binding comparison
+# (OUT_DIR/extern_binding.json).
 #   bash ci/gpu_check.sh [OUT_DIR]        (default: bench/out)
-# Aims at under 8 minutes on one GPU. Both steps run even if the first fails; the exit status is
-# non-zero if either failed. The regression gate is a separate step: ci/bench_gate.sh.
+# Aims at under 8 minutes on one GPU. Every step runs even if an earlier one fails; the exit
+# status is non-zero if any failed. The regression gate is a separate step: ci/bench_gate.sh.
 set -euo pipefail
 out=${1:-bench/out}
 case $out in /*) ;; *) out="$PWD/$out" ;; esac
@@ -24,7 +27,8 @@ status=0
 if [ -d tests/gpu ]; then
     echo "== GPU tier: python -m pytest -q -m gpu tests/gpu"
     rc=0
-    python -m pytest -q -m gpu tests/gpu || rc=$?
+    mkdir -p "$out"
+    python -m pytest -q -m gpu tests/gpu --junitxml="$out/gpu_tests.xml" || rc=$?
     if [ "$rc" -eq 5 ]; then
         echo "notice: tests/gpu holds no test marked gpu"
     elif [ "$rc" -ne 0 ]; then
@@ -36,4 +40,10 @@ fi
 
 echo "== quick benchmark on CUDA -> $out"
 python -m bench --quick --device cuda --out "$out" || status=$?
+
+echo "== host time per node on the replay path -> $out/host_overhead.json"
+python -m bench.host_overhead --device cuda --iters 40 --out "$out" || status=$?
+
+echo "== extern inputs: static buffers against table-reading kernels -> $out/extern_binding.json"
+python -m bench.extern_binding --out "$out" || status=$?
 exit "$status"

@@ -128,17 +128,17 @@ def shape_change_recaptures_and_says_why(w: Where):
 
 def dtype_change_gets_its_own_plan(w: Where, other: torch.dtype):
     model = mlp(w)
-    narrow = copy.deepcopy(model).to(other)
+    twin = copy.deepcopy(model).to(other)
     for _ in range(2):
         x = w.randn(4, 6)
         w.backward(loss_of(model, x))
-        w.backward(loss_of(narrow, x.to(other)))
-        for a, b, e in zip(grads(model), grads(narrow), eager_grads(model, x)):
+        w.backward(loss_of(twin, x.to(other)))
+        for a, b, e in zip(grads(model), grads(twin), eager_grads(model, x)):
             w.close(a, e)
             assert b.dtype == other
             assert_close(b.to(e.dtype), e, rtol=2e-2, atol=2e-3)
         model.zero_grad(set_to_none=True)
-        narrow.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
     assert len(bound_programs()) == 2
     assert replays() == 2
 

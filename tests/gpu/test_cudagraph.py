@@ -33,7 +33,7 @@ def test_replay_hazard(case):
 
 
 def test_dtype_change_gets_its_own_graph():
-    rc.dtype_change_gets_its_own_plan(GPU, torch.bfloat16)
+    rc.dtype_change_gets_its_own_plan(GPU, torch.float64)
     assert gpuautograd.stats()["graph_captures"] == 2
 
 
@@ -61,10 +61,14 @@ def test_suite_models_train_like_eager(name):
     assert program.graphs >= 1 and program.replays == 3
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "cnn"])
-def test_identical_to_the_unbound_triton_backend(name):
+@pytest.mark.parametrize("name", ["mlp", "gpt-manual-attn", "cnn"])
+def test_identical_to_the_unbound_triton_backend(name, monkeypatch):
     """The graph replays the same kernels and library calls as the "triton" backend runs, so the
-    gradients are equal bit for bit."""
+    gradients are equal bit for bit. (Models whose library calls are deterministic: the fused
+    attention backward accumulates with atomics, so sdpa models differ run to run even in eager;
+    cuDNN is asked for deterministic convolution algorithms.)"""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     torch.manual_seed(0)
     model, make_batch, loss_fn = SUITE[name](dtype=torch.float32, device="cuda")
     twin = copy.deepcopy(model)

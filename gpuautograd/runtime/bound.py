@@ -34,8 +34,9 @@ from ..fusion.partition import FusionPlan, Kernel, Library
 from ..ir.ops import get_op
 from ..ir.printer import format_instr
 from ..ir.program import Value
+from ..ir.types import TensorType
 from . import stats as stats_module
-from .fused import WRITES_INTO, FusedProgram, KernelInfo, _nbytes, _Writer, free_at_last_use
+from .fused import WRITES_INTO, FusedProgram, KernelInfo, _nbytes, _Writer, free_at_last_use, plan_device
 from .reference import local_name
 from .table import PointerTable
 
@@ -55,6 +56,16 @@ class Moved(Exception):
     """A pinned parameter has a new address: the plan must be bound and captured again."""
 
 
+# What a table slot holds for a ref:
+ADDRESS = "address"  # the tensor's address (a device tensor)
+VALUE = "value"  # the bits of a 0-dim host tensor (a Python number torch saved as a tensor): the kernel reads it from the table itself
+UNREAD = "unread"  # nothing: a host tensor a library call ignores in this configuration (read from a copy made at warm-up)
+
+# Library calls that take host tensors (the random state of attention dropout) they ignore when
+# dropout_p is 0; with dropout they read them on the host at launch, so they run eagerly.
+ATTENTION_OPS = {"sdpa_efficient_backward", "sdpa_flash_backward", "sdpa_cudnn_backward"}
+
+
 @dataclass
 class DynRef:
     """A dynamic tensor that segment code reads or writes through a table slot."""
@@ -71,6 +82,8 @@ class DynRef:
     aligned: bool = True  # 16-byte aligned at warm-up: kernels may vectorize it, and every call checks it
     mirrored: bool = False  # a library call reads it (through a static mirror, or pinned)
     pinned: int | None = None  # a parameter's address, read in place by library calls; every call checks it
+    never_pin: bool = False  # it moved once: mirrored from then on
+    kind: str = ADDRESS  # what its slot holds: see ADDRESS, VALUE, UNREAD
 
 
 @dataclass
@@ -116,8 +129,12 @@ class _BoundWriter(_Writer):
         super().__init__(plan, interpret)
         prog = plan.program
         a = self.a
-        self.device = next((v.device for v, _ in prog.inputs if hasattr(v.type, "shape")), torch.device("cpu"))
+        self.device = plan_device(prog)
         self.inputs = {v.name for v, _ in prog.inputs}
+        # host tensors in a device plan; 0-dim host tensors (in any plan) travel by value
+        tensors = [v for v, _ in prog.inputs if isinstance(v.type, TensorType)]
+        self.host_inputs = {v.name for v in tensors if v.device.type == "cpu" and self.device.type != "cpu"}
+        self.host_values = {v.name for v in tensors if v.device.type == "cpu" and v.ndim == 0}
         out_bases = {a.base(v).name for v, _ in prog.outputs if v is not None}
         self.eager_group: dict[str, int] = {}  # eager result -> its upload group
         kernel_stores: set[str] = set()
@@ -126,7 +143,7 @@ class _BoundWriter(_Writer):
         for step in plan.steps:
             if isinstance(step, Kernel):
                 kernel_stores |= {m.name for m in step.source.stores}
-            elif step.instr.op in EAGER_OPS:
+            elif self.eager(step):
                 group += 1
                 self.eager_group |= {o.name: group for o in step.instr.outputs if o is not None}
             else:
@@ -141,6 +158,22 @@ class _BoundWriter(_Writer):
         self.kernel_sources: list[KernelSource] = []  # as launched: reading the table
 
     # -- what is dynamic ---------------------------------------------------------------------------
+
+    def eager(self, step) -> bool:
+        """Runs on the host between captured segments: an opaque node, a device move, or a library
+        call whose result depends on the value of a host tensor (read at launch, baked by a capture)."""
+        if not isinstance(step, Library):
+            return False
+        instr = step.instr
+        if instr.op in EAGER_OPS:
+            return True
+        return bool(self.host_read(instr)) and not (instr.op in ATTENTION_OPS and instr.attrs.get("dropout_p") == 0)
+
+    def host_read_names(self, instr) -> set[str]:
+        return {x.name for x in self.host_read(instr)}
+
+    def host_read(self, instr) -> list[Value]:
+        return [x for x in instr.inputs if isinstance(x, Value) and self.a.base(x).name in self.host_inputs]
 
     def dynamic(self, v: Value) -> bool:
         name = self.a.base(v).name
@@ -167,7 +200,11 @@ class _BoundWriter(_Writer):
 
     def write_kernel(self, ks: KernelSource, memory, device) -> KernelInfo:
         prog = self.plan.program
-        loads = {k for k, v in enumerate(ks.loads) if self.dynamic(v)}
+        values = {k for k, v in enumerate(ks.loads) if self.a.base(v).name in self.host_values}
+        for v in ks.loads:
+            if self.a.base(v).name in self.host_inputs - self.host_values:
+                raise NotBindable(f"kernel {ks.name} reads {v.name}, a host tensor with elements, in a {self.device} plan")
+        loads = {k for k, v in enumerate(ks.loads) if self.dynamic(v) and k not in values}
         stores = {k for k, m in enumerate(ks.stores) if m.name in self.fresh_kernel}
         bound = through_table(ks, loads, stores)
         self.kernel_sources.append(bound)
@@ -181,7 +218,12 @@ class _BoundWriter(_Writer):
         self.lines.extend(f"    #   {text}" for text in members)
         args = []
         for k, v in enumerate(ks.loads):
-            args.append(f"T{self.ref(v).rid}" if k in loads else self.emit_host(v))
+            if k in values:  # its value sits in the table; the kernel reads it there as a 0-dim tensor
+                r = self.ref(v)
+                r.kind = VALUE
+                args.append(f"V{r.rid}")
+            else:
+                args.append(f"T{self.ref(v).rid}" if k in loads else self.emit_host(v))
         for k, m in enumerate(ks.stores):
             args.append(f"T{self.ref(m, m.name).rid}" if k in stores else self.static(m))
         for v in ks.runtime_strides:
@@ -230,7 +272,11 @@ class _BoundWriter(_Writer):
             nbytes = self.write_table_matmul(step)
             if nbytes is not None:
                 return nbytes
-        mirrored = [x for x in instr.inputs if isinstance(x, Value) and self.dynamic(x)]
+        for x in self.host_read(instr):  # ignored by this call (see eager()): a copy made at warm-up
+            r = self.ref(x)
+            r.kind = UNREAD
+            self.host[x.name] = f"H{r.rid}"
+        mirrored = [x for x in instr.inputs if isinstance(x, Value) and self.dynamic(x) and x.name not in self.host_read_names(instr)]
         if mirrored:  # a library can't read the table: copy the inputs into static mirrors first
             self.segment.copies.append((f"CI{step.position}", "in", [self.ref(x).rid for x in mirrored]))
             self.copy_launches += 1
@@ -249,7 +295,7 @@ class _BoundWriter(_Writer):
             for o in instr.outputs:
                 if o is not None and o.name in self.fresh_library:
                     self.lines.append(f"    {self.static(o, '_static')}.copy_({local_name(o)})")
-        for x in mirrored:
+        for x in mirrored + self.host_read(instr):
             del self.host[x.name]  # a mirror holds this library's input only until the next copy
         copied = [o for o in instr.outputs if o is not None and o.name in self.fresh_library]
         if copied:  # the caller receives these: copy them out of the static buffers into fresh memory
@@ -296,7 +342,7 @@ class _BoundWriter(_Writer):
         group = 0
         pending = list(plan.steps)
         while pending:
-            if isinstance(pending[0], Library) and pending[0].instr.op in EAGER_OPS:
+            if self.eager(pending[0]):
                 group += 1
                 schedule.append(self.write_eager(pending.pop(0), group))
                 launches += 1
@@ -305,7 +351,7 @@ class _BoundWriter(_Writer):
             self.lines = [f"def {self.segment.name}():"]
             self.host = dict(self.static_host)
             before = set(self.host)
-            while pending and not (isinstance(pending[0], Library) and pending[0].instr.op in EAGER_OPS):
+            while pending and not self.eager(pending[0]):
                 step = pending.pop(0)
                 launches += 1
                 if isinstance(step, Kernel):
@@ -339,10 +385,20 @@ def _nothing() -> None:
 
 
 def _parameter_backed(t: torch.Tensor) -> bool:
-    """A leaf that requires grad (a parameter), or a view of one (a Linear saves `weight.t()`)."""
+    """An nn.Parameter, or a view of one (a Linear saves `weight.t()`): its storage lives from step
+    to step. (Any other leaf, such as an input made with requires_grad=True, is new every step.)"""
     while t._base is not None:
         t = t._base
-    return t.is_leaf and t.requires_grad
+    return isinstance(t, torch.nn.Parameter)
+
+
+INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def value_bits(t: torch.Tensor) -> int:
+    """The bits of a 0-dim host tensor as an int64 table entry (little-endian: the value's bytes
+    come first, where the kernel reads them)."""
+    return t.view(INT_OF_SIZE[t.element_size()]).item()
 
 
 def _first_line(e: BaseException) -> str:
@@ -403,6 +459,9 @@ class BoundProgram(FusedProgram):
         self.must_stay: list[list[tuple[int, int]]] = [[] for _ in self.groups]
         for r in refs:
             self.env[f"T{r.rid}"] = self.table.device_table[r.slot : r.slot + 1]
+            if r.kind == VALUE:  # the slot's own bytes, as a 0-dim tensor of the value's dtype
+                cell = self.table.device_table[r.slot : r.slot + 1].view(torch.uint8)[: r.value.dtype.itemsize]
+                self.env[f"C{r.rid}"] = cell.view(r.value.dtype)[0]
         self._allocate_statics()
         self.ready = False
         self.layouts: dict[str, tuple] = {}  # eager result -> (shape, stride, dtype) seen at warm-up
@@ -436,6 +495,10 @@ class BoundProgram(FusedProgram):
     def __call__(self, args: list):
         if self.fallback is not None:
             return self.fallback(args)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return self._call(args)
+
+    def _call(self, args: list):
         D = dict(zip(self.input_names, args))
         args.clear()
         for name, shape, dtype in self.fresh:
@@ -474,13 +537,16 @@ class BoundProgram(FusedProgram):
     def _upload(self, group: int, D: dict) -> None:
         lo, hi, members = self.groups[group]
         if hi > lo:
-            addresses = [D[r.root].data_ptr() + r.delta for r in members]
+            addresses = [
+                D[r.root].data_ptr() + r.delta if r.kind == ADDRESS else value_bits(D[r.root]) if r.kind == VALUE else 0 for r in members
+            ]
             for k in self.must_align[group]:
                 if addresses[k] % POINTER_ALIGNMENT:
                     r = members[k]
                     raise NotBindable(f"{r.value.name} (a view of {r.root}) lost the 16-byte alignment the captured kernels assume")
             for k, address in self.must_stay[group]:
                 if addresses[k] != address:
+                    members[k].never_pin = True  # it will be copied into a mirror from now on
                     raise Moved(f"{members[k].value.name} (a parameter the library calls read in place) moved")
             self.table.write(lo, addresses)
             self.table.upload(lo, hi)
@@ -502,6 +568,13 @@ class BoundProgram(FusedProgram):
         for r in self.groups[group][2]:
             root = D[r.root]
             t = _evaluate(self.w.a, r.value, D)
+            if r.kind == VALUE:
+                self.env[f"V{r.rid}"] = torch.as_strided(self.env[f"C{r.rid}"], t.shape, t.stride())
+                self.env[f"S{r.rid}"] = t.stride()
+                continue
+            if r.kind == UNREAD:
+                self.env[f"H{r.rid}"] = t.clone()
+                continue
             if t.untyped_storage().data_ptr() != root.untyped_storage().data_ptr():
                 raise NotBindable(f"{r.value.name} is not a view of {r.root}: it can't be addressed from the table")
             r.delta = t.data_ptr() - root.data_ptr()
@@ -510,13 +583,13 @@ class BoundProgram(FusedProgram):
             r.aligned = t.data_ptr() % POINTER_ALIGNMENT == 0
             self.env[f"S{r.rid}"] = t.stride()
             r.pinned = None
-            if r.mirrored and _parameter_backed(root):
+            if r.mirrored and not r.never_pin and _parameter_backed(root):
                 # a weight keeps its address from step to step: library calls read it in place
                 # instead of copying it into a mirror on every replay
                 r.pinned = t.data_ptr()
                 self.env[f"M{r.rid}"] = t
         members = self.groups[group][2]
-        self.must_align[group] = [k for k, r in enumerate(members) if r.aligned and r.rid in self.vectorized]
+        self.must_align[group] = [k for k, r in enumerate(members) if r.kind == ADDRESS and r.aligned and r.rid in self.vectorized]
         self.must_stay[group] = [(k, r.pinned) for k, r in enumerate(members) if r.pinned is not None]
 
     def _prepare(self, seg: Segment) -> None:
@@ -588,36 +661,47 @@ class BoundProgram(FusedProgram):
     def _warm_up(self, D: dict, cuda: bool):
         """The first call runs the bound segments eagerly (on a side stream on CUDA): this compiles
         every kernel and initializes the libraries before any capture, and learns the views'
-        offsets, strides and alignment. Its results are the first call's gradients."""
+        offsets, strides and alignment. Its results are the first call's gradients. Buffers
+        (mirrors, copy descriptors) are allocated on the current stream, which replays use."""
+        current = torch.cuda.current_stream(self.device) if cuda else None
         side = torch.cuda.Stream(self.device) if cuda else None
-        if cuda:
-            side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+
+        def on_side():
+            if not cuda:
+                return contextlib.nullcontext()
+            side.wait_stream(current)
+            return torch.cuda.stream(side)
+
+        try:
             self.table.begin()
             self._bind_group(0, D)
             self._upload(0, D)
             for item in self.schedule:
                 if isinstance(item, Segment):
                     self._prepare(item)
-                    self.env[item.name]()
+                    with on_side():
+                        self.env[item.name]()
                 else:
-                    self.env[item.name](D)
+                    with on_side():
+                        self.env[item.name](D)
                     self.layouts |= {
                         n: (tuple(D[n].shape), D[n].stride(), D[n].dtype) for n in item.results if isinstance(D[n], torch.Tensor)
                     }
                     self._bind_group(item.group, D)
                     self._upload(item.group, D)
-            self.table.end()
             outs = self.env["outputs"](D)
-        if cuda:
-            torch.cuda.current_stream(self.device).wait_stream(side)
+        finally:
+            if cuda:  # also on an error: what the side stream still reads is freed on this one
+                current.wait_stream(side)
+        self.table.end()
         return outs
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()  # segments replay in capture order, so they share one pool
         for seg in self.segments:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: another thread's CUDA call (a DataLoader pinning memory) can't invalidate it
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.env[seg.name]()
             seg.graph = graph
             stats_module.STATS.graph_captures += 1

@@ -22,6 +22,7 @@ from ..fusion.partition import ROW_MAJOR_RESULTS, FusionPlan, Kernel, Library, p
 from ..ir.ops import get_op
 from ..ir.printer import format_instr
 from ..ir.program import Program, Value
+from ..ir.types import TensorType
 from .memory import Interval, MemoryPlan, plan_memory
 from .reference import local_name
 
@@ -63,6 +64,13 @@ class FusedProgram:
 
 def _nbytes(v: Value) -> int:
     return v.type.numel() * v.dtype.itemsize
+
+
+def plan_device(program: Program) -> torch.device:
+    """Where the kernels run: the device of the program's tensors. A CUDA backward can have CPU
+    inputs too (torch saves a Python number as a 0-dim CPU tensor), so a non-CPU device wins."""
+    devices = [v.device for v, _ in program.inputs if isinstance(v.type, TensorType)]
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
 
 def input_strides_of(program: Program, tensors: list) -> dict[str, tuple[int, ...]]:
@@ -138,7 +146,7 @@ class _Writer:
         plan = self.plan
         prog = plan.program
         memory = self._plan_memory()
-        device = next((v.device for v, _ in prog.inputs if hasattr(v.type, "shape")), torch.device("cpu"))
+        device = plan_device(prog)
         self.lines = ["def backward(args):"]
         params = [local_name(v) for v, _ in prog.inputs]
         if params:
@@ -176,7 +184,8 @@ class _Writer:
             self.lines.append(f"    #   {text}")
         for m in ks.stores:
             self.allocate(m, memory, device)
-        args = [self.emit_host(v) for v in ks.loads] + [local_name(m) for m in ks.stores]
+        args = [self.emit_host(v) if v.device == device else f"{self.emit_host(v)}.to({str(device)!r})" for v in ks.loads]
+        args += [local_name(m) for m in ks.stores]
         for v in ks.runtime_strides:
             args.append(f"*{self.emit_host(v)}.stride()")
         self.lines.append(f"    {ks.name}({', '.join(args)})")

@@ -33,7 +33,8 @@ import torch
 
 import gpuautograd
 from gpuautograd.runtime import engine
-from gpuautograd.runtime.bound import BoundProgram, Segment
+from gpuautograd.runtime.bound import Segment
+from gpuautograd.runtime.replay import BoundProgram
 
 from .models import SUITE
 

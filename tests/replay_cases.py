@@ -19,8 +19,8 @@ from torch import nn
 from torch.testing import assert_close
 
 import gpuautograd
-from gpuautograd.runtime.bound import BoundProgram
 from gpuautograd.runtime.engine import CACHE
+from gpuautograd.runtime.replay import BoundProgram
 from tests.helpers import no_kernel_fallback
 
 

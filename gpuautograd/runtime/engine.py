@@ -25,10 +25,10 @@ from ..ir.verifier import verify
 from ..passes import optimize
 from . import stats as stats_module
 from .accumulate import accumulate_grad, retain_grad
-from .bound import bound_or_fused
 from .cache import Entry, PlanCache, explain_miss, structure_of
 from .fused import FusedProgram, compile_fused, input_strides_of
 from .reference import compile_reference
+from .replay import bound_or_fused
 
 CACHE = PlanCache()
 

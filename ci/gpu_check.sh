@@ -45,5 +45,5 @@ echo "== host time per node on the replay path -> $out/host_overhead.json"
 python -m bench.host_overhead --device cuda --iters 40 --out "$out" || status=$?
 
 echo "== extern inputs: static buffers against table-reading kernels -> $out/extern_binding.json"
-python -m bench.extern_binding --out "$out" || status=$?
+python -m bench.extern_binding --rounds 10 --out "$out" || status=$?
 exit "$status"

@@ -101,6 +101,8 @@ class Segment:
     graph: object = None  # torch.cuda.CUDAGraph once captured
     copies: list = field(default_factory=list)  # (global name, direction, [(rid, static)]) built at warm-up
     matmuls: list = field(default_factory=list)  # (global name, instr, operands) built at warm-up
+    first_in: list[int] = field(default_factory=list)  # refs copied into mirrors at the segment's start
+    last_out: list[int] = field(default_factory=list)  # refs copied out to fresh memory at its end
     kernels: list[KernelBinding] = field(default_factory=list)
 
 
@@ -252,9 +254,7 @@ class _BoundWriter(_Writer):
         self.segment.matmuls.append((name, instr, operands))
         self.lines.append(f"    {name}()  # library: {format_instr(instr)}, through the table")
         if out.name in self.fresh_library and not alone:
-            self.segment.copies.append((f"CO{step.position}", "out", [self.ref(out, out.name).rid]))
-            self.copy_launches += 1
-            self.lines.append(f"    CO{step.position}()  # copy {out.name} out to fresh memory")
+            self.segment.last_out.append(self.ref(out, out.name).rid)
         return sum(_nbytes(x) for x in instr.inputs) + _nbytes(out)
 
     def write_library(self, step: Library, memory) -> int:
@@ -268,13 +268,17 @@ class _BoundWriter(_Writer):
             r.kind = UNREAD
             self.host[x.name] = f"H{r.rid}"
         mirrored = [x for x in instr.inputs if isinstance(x, Value) and self.dynamic(x) and x.name not in self.host_read_names(instr)]
-        if mirrored:  # a library can't read the table: copy the inputs into static mirrors first
-            self.segment.copies.append((f"CI{step.position}", "in", [self.ref(x).rid for x in mirrored]))
+        # a library can't read the table: its inputs are copied into static mirrors, all in one
+        # copy at the segment's start, except those a kernel of this segment writes first
+        late = [x for x in mirrored if self.a.base(x).name in self.fresh_kernel]
+        self.segment.first_in += [self.ref(x).rid for x in mirrored if x not in late and self.ref(x).rid not in self.segment.first_in]
+        if late:
+            self.segment.copies.append((f"CI{step.position}", "in", [self.ref(x).rid for x in late]))
             self.copy_launches += 1
-            self.lines.append(f"    CI{step.position}()  # copy {', '.join(x.name for x in mirrored)} into static mirrors")
-            for x in mirrored:
-                self.ref(x).mirrored = True
-                self.host[x.name] = f"M{self.ref(x).rid}"
+            self.lines.append(f"    CI{step.position}()  # copy {', '.join(x.name for x in late)} into static mirrors")
+        for x in mirrored:
+            self.ref(x).mirrored = True
+            self.host[x.name] = f"M{self.ref(x).rid}"
         out = instr.outputs[0]
         if instr.op in WRITES_INTO and (out.name in memory.offsets or out.name in self.fresh_library):
             a, b = (self.emit_host(x) for x in instr.inputs)
@@ -288,12 +292,9 @@ class _BoundWriter(_Writer):
                     self.lines.append(f"    {self.static(o, '_static')}.copy_({local_name(o)})")
         for x in mirrored + self.host_read(instr):
             del self.host[x.name]  # a mirror holds this library's input only until the next copy
-        copied = [o for o in instr.outputs if o is not None and o.name in self.fresh_library]
-        if copied:  # the caller receives these: copy them out of the static buffers into fresh memory
-            pairs = [self.ref(o, o.name).rid for o in copied]
-            self.segment.copies.append((f"CO{step.position}", "out", pairs))
-            self.copy_launches += 1
-            self.lines.append(f"    CO{step.position}()  # copy {', '.join(o.name for o in copied)} out to fresh memory")
+        # the caller receives these: copied out of their static buffers into fresh memory, all in
+        # one copy at the segment's end (nothing else writes those buffers)
+        self.segment.last_out += [self.ref(o, o.name).rid for o in instr.outputs if o is not None and o.name in self.fresh_library]
         return nbytes
 
     def write_eager(self, step: Library, group: int) -> EagerStep:
@@ -349,6 +350,7 @@ class _BoundWriter(_Writer):
                     kernels.append(self.write_kernel(step.source, memory, self.device))
                 else:
                     library_bytes += self.write_library(step, memory)
+            self._batch_copies(self.segment)
             # values a later step reads become globals of the program
             made = {local_name_of: n for local_name_of, n in self.host.items() if local_name_of not in before}
             shared = set(made.values())
@@ -359,6 +361,18 @@ class _BoundWriter(_Writer):
         self._write_outputs()
         source = "\n\n".join(self.sources) + "\n"
         return BoundPlan(self, schedule, source, kernels, launches + self.copy_launches, library_bytes)
+
+    def _batch_copies(self, seg: Segment) -> None:
+        names = {r.rid: r.value.name for r in self.refs.values()}
+        if seg.first_in:
+            seg.copies.append((f"CI_{seg.name}", "in", seg.first_in))
+            self.copy_launches += 1
+            what = ", ".join(names[rid] for rid in seg.first_in)
+            self.lines.insert(1, f"    CI_{seg.name}()  # copy {what} into static mirrors (library inputs)")
+        if seg.last_out:
+            seg.copies.append((f"CO_{seg.name}", "out", seg.last_out))
+            self.copy_launches += 1
+            self.lines.append(f"    CO_{seg.name}()  # copy {', '.join(names[rid] for rid in seg.last_out)} out to fresh memory")
 
     def _static_names(self) -> set[str]:
         return set(self.statics)

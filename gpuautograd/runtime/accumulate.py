@@ -57,3 +57,25 @@ def retain_grad(tensor: torch.Tensor, new_grad: torch.Tensor) -> None:
         tensor.grad = new_grad.clone(memory_format=torch.contiguous_format)
     else:
         tensor.grad = existing + new_grad
+
+
+class AddInPlace:
+    """Leaves whose .grad exists accumulate in place (AccumulateGrad's `grad += new`), all of them
+    in one `torch._foreach_add_` instead of one add per parameter: one call, and on CUDA a few
+    kernel launches, for the micro-batches of gradient accumulation."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] = []
+        self.news: list[torch.Tensor] = []
+
+    def take(self, variable: torch.Tensor, new_grad: torch.Tensor) -> bool:
+        existing = variable.grad
+        if existing is None or existing.layout != torch.strided or new_grad.layout != torch.strided:
+            return False
+        self.grads.append(existing)
+        self.news.append(new_grad)
+        return True
+
+    def run(self) -> None:
+        if self.grads:
+            torch._foreach_add_(self.grads, self.news)

@@ -24,7 +24,7 @@ from ..ir.types import TensorType
 from ..ir.verifier import verify
 from ..passes import optimize
 from . import stats as stats_module
-from .accumulate import accumulate_grad, retain_grad
+from .accumulate import AddInPlace, accumulate_grad, retain_grad
 from .cache import Entry, PlanCache, explain_miss, structure_of
 from .fused import FusedProgram, compile_fused, input_strides_of
 from .reference import compile_reference
@@ -138,6 +138,7 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
             if t.grad_fn is not None:
                 retained[(j, nr)] = t
     results = []
+    adds = AddInPlace()
     with torch.no_grad():
         for g, (kind, i, slot, owned) in zip(outs, entry.sinks):
             if kind == "input":
@@ -145,9 +146,11 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
             elif g is None:
                 continue
             elif kind == "leaf":
-                accumulate_grad(nodes[i].variable, g, owned)
+                if not adds.take(nodes[i].variable, g):
+                    accumulate_grad(nodes[i].variable, g, owned)
             elif kind == "retain":
                 retain_grad(retained[(i, slot)], g)
+        adds.run()
     return None if accumulate else results
 
 

@@ -1,4 +1,5 @@
 """One launchable object per (kernel, backend): Triton's JIT on CUDA, its interpreter on the CPU.
+Used by the kernels here and by the generated ones (`gpuautograd.codegen.compile`).
 
 The kernels are plain functions, wrapped here rather than decorated: Triton's interpreter runs a
 function wrapped in `InterpretedFunction` without TRITON_INTERPRET being set at import, and the

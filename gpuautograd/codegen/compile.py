@@ -19,7 +19,6 @@ from .. import flags
 from .kernel import KernelSource
 
 _FUNCTIONS: dict[str, object] = {}  # body hash -> the Python function of the kernel
-_LAUNCHABLE: dict[tuple[str, bool], object] = {}  # (body hash, interpret) -> JITFunction / InterpretedFunction
 
 TRITON_TYPES = {
     torch.float64: "fp64",
@@ -89,21 +88,11 @@ def python_function(ks: KernelSource):
 
 
 def launchable(ks: KernelSource, interpret: bool):
+    """The kernel as Triton's JIT (CUDA) or interpreter (CPU) runs it, one per distinct body."""
+    from ..triton_kernels._launch import launchable as wrap
+
     dump_kernel(ks)
-    key = (body_hash(ks), interpret)
-    kernel = _LAUNCHABLE.get(key)
-    if kernel is None:
-        import triton
-
-        fn = python_function(ks)
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            kernel = InterpretedFunction(fn)
-        else:
-            kernel = triton.jit(fn)
-        _LAUNCHABLE[key] = kernel
-    return kernel
+    return wrap(python_function(ks), interpret)
 
 
 class Launcher:

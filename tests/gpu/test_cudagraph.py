@@ -20,13 +20,6 @@ from tests.helpers import assert_close, no_kernel_fallback, train_side_by_side
 GPU = rc.Where("cudagraph", "cuda", torch.float32)
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    gpuautograd.reset()
-    yield
-    gpuautograd.reset()
-
-
 @pytest.mark.parametrize("case", rc.CASES, ids=lambda c: c.__name__)
 def test_replay_hazard(case):
     case(GPU)

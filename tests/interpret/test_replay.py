@@ -20,13 +20,6 @@ CPU = rc.Where("interpret-replay", "cpu", torch.float64)
 REPLAY = CPU.backend
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    gpuautograd.reset()
-    yield
-    gpuautograd.reset()
-
-
 @pytest.mark.parametrize("case", rc.CASES, ids=lambda c: c.__name__)
 def test_replay_hazard(case):
     case(CPU)

@@ -335,6 +335,29 @@ def parameter_that_moves_is_recaptured(w: Where):
     assert len(recaptures) == 1 and "moved" in recaptures[0], st["miss_reasons"]
 
 
+def bitwise_equal_to_the_unbound_plan(w: Where, name: str, unbound: str):
+    """Reading pointers from the table changes no arithmetic: replayed gradients equal those of the
+    same fused plan launched without binding (`unbound`: "interpret" or "triton") bit for bit."""
+    from bench.models import SUITE
+
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE[name](dtype=torch.float32, device=w.device)
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        batch = make_batch(g)
+        torch.manual_seed(7)  # the same dropout masks in both
+        w.backward(loss_fn(model, *batch))
+        torch.manual_seed(7)
+        with no_kernel_fallback():
+            gpuautograd.backward(loss_fn(twin, *batch), backend=unbound)
+        for (pname, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), pname
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+    assert replays() == 2
+
+
 CASES = [
     parameter_that_moves_is_recaptured,
     input_leaf_that_requires_grad_is_read_through_the_table,

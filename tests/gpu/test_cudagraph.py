@@ -7,15 +7,13 @@ streams, and a host that runs ahead of the GPU.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import gpuautograd
 from bench.models import SUITE
 from tests import replay_cases as rc
-from tests.helpers import assert_close, no_kernel_fallback, train_side_by_side
+from tests.helpers import assert_close, train_side_by_side
 
 GPU = rc.Where("cudagraph", "cuda", torch.float32)
 
@@ -62,22 +60,7 @@ def test_identical_to_the_unbound_triton_backend(name, monkeypatch):
     cuDNN is asked for deterministic convolution algorithms.)"""
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    torch.manual_seed(0)
-    model, make_batch, loss_fn = SUITE[name](dtype=torch.float32, device="cuda")
-    twin = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        batch = make_batch(g)
-        torch.manual_seed(7)
-        GPU.backward(loss_fn(model, *batch))
-        torch.manual_seed(7)
-        with no_kernel_fallback():
-            gpuautograd.backward(loss_fn(twin, *batch), backend="triton")
-        for (pname, p), q in zip(model.named_parameters(), twin.parameters()):
-            assert torch.equal(p.grad, q.grad), pname
-        model.zero_grad(set_to_none=True)
-        twin.zero_grad(set_to_none=True)
-    assert gpuautograd.stats()["replays"] == 2
+    rc.bitwise_equal_to_the_unbound_plan(GPU, name, "triton")
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "llama"])

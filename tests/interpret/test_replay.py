@@ -6,11 +6,15 @@ instead of replaying a graph. The hazards shared with the GPU tier live in tests
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import pytest
 import torch
 
+import gpuautograd
 from tests import replay_cases as rc
-from tests.helpers import train_side_by_side
+from tests.helpers import assert_close, train_side_by_side
 
 CPU = rc.Where("interpret-replay", "cpu", torch.float64)
 REPLAY = CPU.backend
@@ -56,3 +60,105 @@ def test_table_matmul_binding_trains_like_eager(name, monkeypatch):
 @pytest.mark.parametrize("name", ["mlp", "gpt", "llama"])
 def test_bitwise_equal_to_the_unbound_fused_plan(name):
     rc.bitwise_equal_to_the_unbound_plan(CPU, name, "interpret")
+
+
+def test_too_many_segments_run_unreplayed_with_a_warning(monkeypatch):
+    monkeypatch.setenv("GPUAUTOGRAD_MAX_SEGMENTS", "1")
+    first, last = rc.split_model(CPU)
+    x = CPU.randn(4, 6)
+    with pytest.warns(RuntimeWarning, match="not graphed.*2 captured segments"):
+        gpuautograd.backward(last(rc.Double.apply(first(x))).square().mean(), backend=REPLAY)
+    assert not rc.bound_programs()
+    (reason,) = gpuautograd.stats()["not_graphed"]
+    assert "GPUAUTOGRAD_MAX_SEGMENTS=1" in reason
+
+
+class Strided(torch.autograd.Function):
+    """Its backward returns a transposed gradient on some calls: a layout the captured segments
+    did not see."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        Strided.calls += 1
+        return g.t().contiguous().t() if Strided.calls >= 3 else g * 1
+
+
+def test_eager_result_with_a_new_layout_stops_replay_with_a_warning():
+    Strided.calls = 0
+    first, last = rc.split_model(CPU)
+    for step in range(4):
+        x = CPU.randn(4, 6)
+        expected_first = copy.deepcopy(first)
+        expected_last = copy.deepcopy(last)
+        calls = Strided.calls
+        expected_last(Strided.apply(expected_first(x))).square().mean().backward()
+        Strided.calls = calls
+        loss = last(Strided.apply(first(x))).square().mean()
+        if step == 2:
+            with pytest.warns(RuntimeWarning, match="not graphed.*eager1 returned"):
+                gpuautograd.backward(loss, backend=REPLAY)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                gpuautograd.backward(loss, backend=REPLAY)
+        for p, q in zip(
+            list(first.parameters()) + list(last.parameters()), list(expected_first.parameters()) + list(expected_last.parameters())
+        ):
+            assert_close(p.grad, q.grad)
+            p.grad = None
+
+
+def test_kernels_read_dynamic_pointers_from_the_table():
+    model = rc.mlp(CPU)
+    x = CPU.randn(4, 6)
+    report = gpuautograd.explain(rc.loss_of(model, x), backend=REPLAY)
+    assert report.backend == REPLAY
+    bound = [k for k in report.kernels if "_ref).to(tl.pointer_type(" in k.source]
+    assert bound, "no kernel reads its pointers from the table"
+    assert "CI" in report.source  # a library input copied into a static mirror
+
+
+def test_a_pointer_that_loses_its_alignment_stops_replay_with_a_warning():
+    """Kernels vectorize table pointers that were 16-byte aligned at capture, so every call checks
+    them; an input that arrives misaligned runs the plan unbound from then on."""
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    storage = torch.randn(64, dtype=torch.float64)
+    for step, offset in enumerate((0, 6, 1, 2)):  # 0 and 48 bytes keep 16-byte alignment, 8 does not
+        x = storage[offset : offset + 24].view(4, 6)
+        loss = (x * w).sin().sum()  # the multiplication saves x, which a kernel reads
+        if step == 2:
+            with pytest.warns(RuntimeWarning, match="not graphed.*lost the 16-byte alignment"):
+                gpuautograd.backward(loss, backend=REPLAY)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                gpuautograd.backward(loss, backend=REPLAY)
+        assert_close(w.grad, ((x * w).cos() * x).sum(0))
+        w.grad = None
+    assert gpuautograd.stats()["replays"] == 1
+
+
+def test_a_warm_up_failure_runs_the_plain_fused_plan_with_a_warning(monkeypatch):
+    from gpuautograd.codegen import compile as compile_module
+
+    def broken(ks, interpret):
+        raise RuntimeError("injected: the compiler rejected the kernel")
+
+    monkeypatch.setattr(compile_module, "launchable", broken)
+    model = rc.mlp(CPU)
+    x = CPU.randn(4, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gpuautograd.backward(rc.loss_of(model, x), backend=REPLAY)
+    messages = [str(w.message) for w in caught]
+    assert any("not graphed (the warm-up failed: RuntimeError: injected" in m for m in messages), messages
+    assert any("its instructions run as reference torch ops" in m for m in messages), messages
+    for mine, expected in zip(rc.grads(model), rc.eager_grads(model, x)):
+        assert_close(mine, expected)  # the plain plan's kernels fall back to reference ops too
+    assert gpuautograd.stats()["not_graphed"]

@@ -95,6 +95,12 @@ def launchable(ks: KernelSource, interpret: bool):
     return wrap(python_function(ks), interpret)
 
 
+def describe_error(e: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 class Launcher:
     """Launches one kernel; if compiling or launching fails, warns once and runs `fallback`
     (the kernel's instructions through the reference ops) from then on. Without a fallback (a
@@ -123,8 +129,7 @@ class Launcher:
             try:
                 return self.launch(*args)
             except Exception as e:  # a compiler or launch error: keep the gradients right
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                self.failed = f"{type(e).__name__}: {first}"
+                self.failed = describe_error(e)
                 warnings.warn(
                     f"gpuautograd: kernel {self.ks.name} ({self.ks.space}) failed ({self.failed}); "
                     "its instructions run as reference torch ops instead",

@@ -112,11 +112,11 @@ def through_table(ks: KernelSource, loads: set[int], stores: set[int], aligned: 
     head, rest = lines[at].split("(", 1)
     args = [a.strip() for a in rest.rsplit("):", 1)[0].split(",")]
     args = [f"{a}_ref" if a in params else a for a in args]
-    loads_ = []
+    preamble = []
     for p, v in params.items():
         ptr = f"tl.load({p}_ref).to(tl.pointer_type({TL_DTYPES[v.dtype]}))"
-        loads_.append(f"    {p} = tl.multiple_of({ptr}, {H.POINTER_ALIGNMENT})" if p in aligned else f"    {p} = {ptr}")
-    lines[at : at + 1] = [f"{head}({', '.join(args)}):"] + loads_
+        preamble.append(f"    {p} = tl.multiple_of({ptr}, {H.POINTER_ALIGNMENT})" if p in aligned else f"    {p} = {ptr}")
+    lines[at : at + 1] = [f"{head}({', '.join(args)}):"] + preamble
     return dataclasses.replace(ks, source="\n".join(lines) + "\n", table_params=frozenset(params))
 
 

@@ -99,8 +99,8 @@ class KernelBinding:
 class Segment:
     name: str
     graph: object = None  # torch.cuda.CUDAGraph once captured
-    copies: list = field(default_factory=list)  # (global name, direction, [(rid, static)]) built at warm-up
-    matmuls: list = field(default_factory=list)  # (global name, instr, operands) built at warm-up
+    copies: list = field(default_factory=list)  # (global name, "in" | "out", [ref ids]); the TableCopy objects are built at warm-up
+    matmuls: list = field(default_factory=list)  # (global name, instr, operands); the TableMatmul objects are built at warm-up
     first_in: list[int] = field(default_factory=list)  # refs copied into mirrors at the segment's start
     last_out: list[int] = field(default_factory=list)  # refs copied out to fresh memory at its end
     kernels: list[KernelBinding] = field(default_factory=list)
@@ -162,9 +162,6 @@ class _BoundWriter(_Writer):
             return True
         return bool(self.host_read(instr)) and not (instr.op in ATTENTION_OPS and instr.attrs.get("dropout_p") == 0)
 
-    def host_read_names(self, instr) -> set[str]:
-        return {x.name for x in self.host_read(instr)}
-
     def host_read(self, instr) -> list[Value]:
         return [x for x in instr.inputs if isinstance(x, Value) and self.a.base(x).name in self.host_inputs]
 
@@ -183,12 +180,17 @@ class _BoundWriter(_Writer):
     # -- code ----------------------------------------------------------------------------------------
 
     def static(self, m: Value, suffix: str = "") -> str:
-        """A buffer allocated once, when the program is built, shared by every replay."""
+        """A buffer allocated once, when the program is built, shared by every replay. Without a
+        suffix it holds `m` itself (in the arena when the memory plan placed it there); with one it
+        is a second buffer that `m` is copied into, and the code keeps reading `m`."""
         name = local_name(m) + suffix
-        self.statics[name] = (m, self.memory.offsets.get(m.name) if not suffix else None)
-        if not suffix:
+        if suffix:
+            self.statics[name] = (m, None)
+            self.host.setdefault(m.name, name)
+        else:
+            self.statics[name] = (m, self.memory.offsets.get(m.name))
             self.static_values.add(m.name)
-        self.host[m.name] = name if not suffix else self.host.get(m.name, name)
+            self.host[m.name] = name
         return name
 
     def write_kernel(self, ks: KernelSource, memory, device) -> KernelInfo:
@@ -263,22 +265,12 @@ class _BoundWriter(_Writer):
             nbytes = self.write_table_matmul(step)
             if nbytes is not None:
                 return nbytes
-        for x in self.host_read(instr):  # ignored by this call (see eager()): a copy made at warm-up
+        host_read = self.host_read(instr)
+        for x in host_read:  # ignored by this call (see eager()): a copy made at warm-up
             r = self.ref(x)
             r.kind = UNREAD
             self.host[x.name] = f"H{r.rid}"
-        mirrored = [x for x in instr.inputs if isinstance(x, Value) and self.dynamic(x) and x.name not in self.host_read_names(instr)]
-        # a library can't read the table: its inputs are copied into static mirrors, all in one
-        # copy at the segment's start, except those a kernel of this segment writes first
-        late = [x for x in mirrored if self.a.base(x).name in self.fresh_kernel]
-        self.segment.first_in += [self.ref(x).rid for x in mirrored if x not in late and self.ref(x).rid not in self.segment.first_in]
-        if late:
-            self.segment.copies.append((f"CI{step.position}", "in", [self.ref(x).rid for x in late]))
-            self.copy_launches += 1
-            self.lines.append(f"    CI{step.position}()  # copy {', '.join(x.name for x in late)} into static mirrors")
-        for x in mirrored:
-            self.ref(x).mirrored = True
-            self.host[x.name] = f"M{self.ref(x).rid}"
+        mirrored = self._mirror_inputs(step, [x for x in instr.inputs if isinstance(x, Value) and self.dynamic(x) and x not in host_read])
         out = instr.outputs[0]
         if instr.op in WRITES_INTO and (out.name in memory.offsets or out.name in self.fresh_library):
             a, b = (self.emit_host(x) for x in instr.inputs)
@@ -290,12 +282,26 @@ class _BoundWriter(_Writer):
             for o in instr.outputs:
                 if o is not None and o.name in self.fresh_library:
                     self.lines.append(f"    {self.static(o, '_static')}.copy_({local_name(o)})")
-        for x in mirrored + self.host_read(instr):
+        for x in mirrored + host_read:
             del self.host[x.name]  # a mirror holds this library's input only until the next copy
         # the caller receives these: copied out of their static buffers into fresh memory, all in
         # one copy at the segment's end (nothing else writes those buffers)
         self.segment.last_out += [self.ref(o, o.name).rid for o in instr.outputs if o is not None and o.name in self.fresh_library]
         return nbytes
+
+    def _mirror_inputs(self, step: Library, mirrored: list[Value]) -> list[Value]:
+        """A library can't read the table: its dynamic inputs are copied into static mirrors, all in
+        one copy at the segment's start, except those a kernel of this segment writes first."""
+        late = [x for x in mirrored if self.a.base(x).name in self.fresh_kernel]
+        self.segment.first_in += [self.ref(x).rid for x in mirrored if x not in late and self.ref(x).rid not in self.segment.first_in]
+        if late:
+            self.segment.copies.append((f"CI{step.position}", "in", [self.ref(x).rid for x in late]))
+            self.copy_launches += 1
+            self.lines.append(f"    CI{step.position}()  # copy {', '.join(x.name for x in late)} into static mirrors")
+        for x in mirrored:
+            self.ref(x).mirrored = True
+            self.host[x.name] = f"M{self.ref(x).rid}"
+        return mirrored
 
     def write_eager(self, step: Library, group: int) -> EagerStep:
         """An eager step: reads dynamic tensors from the call's dict D, statics from globals, and
@@ -352,9 +358,9 @@ class _BoundWriter(_Writer):
                     library_bytes += self.write_library(step, memory)
             self._batch_copies(self.segment)
             # values a later step reads become globals of the program
-            made = {local_name_of: n for local_name_of, n in self.host.items() if local_name_of not in before}
+            made = {value_name: n for value_name, n in self.host.items() if value_name not in before}
             shared = set(made.values())
-            self.lines = free_at_last_use(self.lines, keep=shared | self._static_names())
+            self.lines = free_at_last_use(self.lines, keep=shared | set(self.statics))
             self._define(self.segment.name, {n for n in shared if n.isidentifier()})
             self.static_host |= made
             schedule.append(self.segment)
@@ -373,9 +379,6 @@ class _BoundWriter(_Writer):
             seg.copies.append((f"CO_{seg.name}", "out", seg.last_out))
             self.copy_launches += 1
             self.lines.append(f"    CO_{seg.name}()  # copy {', '.join(names[rid] for rid in seg.last_out)} out to fresh memory")
-
-    def _static_names(self) -> set[str]:
-        return set(self.statics)
 
     def _write_outputs(self) -> None:
         self.lines = ["def outputs(D):"]

@@ -52,7 +52,7 @@ def _backend(backend: str | None, device: torch.device) -> str:
     if backend in FUSED_BACKENDS and not _importable("triton"):
         raise ValueError(f"the {backend!r} backend needs the triton package, which is not importable")
     if backend in INTERPRETED and not _importable("numpy"):
-        raise ValueError("the 'interpret' backend needs numpy (Triton's interpreter computes with it), which is not importable")
+        raise ValueError(f"the {backend!r} backend needs numpy (Triton's interpreter computes with it), which is not importable")
     return backend
 
 

@@ -17,11 +17,13 @@ with a warning.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 
 import torch
 
 from .. import flags
+from ..codegen.compile import describe_error
 from ..fusion.heuristics import POINTER_ALIGNMENT
 from ..fusion.partition import FusionPlan
 from ..ir.program import Value
@@ -51,15 +53,29 @@ def _parameter_backed(t: torch.Tensor) -> bool:
 INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
+def _slot_word(r: DynRef, D: dict) -> int:
+    """What the ref's table slot holds in this call."""
+    if r.kind == ADDRESS:
+        return D[r.root].data_ptr() + r.delta
+    return value_bits(D[r.root]) if r.kind == VALUE else 0
+
+
 def value_bits(t: torch.Tensor) -> int:
     """The bits of a 0-dim host tensor as an int64 table entry (little-endian: the value's bytes
     come first, where the kernel reads them)."""
     return t.view(INT_OF_SIZE[t.element_size()]).item()
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+class EagerStepError(Exception):
+    """The user's code in an eager step raised (its exception is the cause): not this plan's fault."""
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel that points a warning at the first frame outside gpuautograd."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("gpuautograd"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class BoundProgram(FusedProgram):
@@ -68,8 +84,9 @@ class BoundProgram(FusedProgram):
 
     def __init__(self, bound: BoundPlan) -> None:
         w, schedule = bound.writer, bound.schedule
+        # FusedProgram's function slot: this object's own __call__ (explain() reads the rest)
         super().__init__(self.__call__, bound.source, w.plan, bound.kernels, w.memory, bound.launches, bound.library_bytes)
-        self.w = w
+        self.writer = w
         self.env = w.env
         self.kernel_sources = w.kernel_sources  # what compile_check compiles for this backend
         self.schedule = schedule
@@ -105,11 +122,11 @@ class BoundProgram(FusedProgram):
         self.fallback = None  # the plain fused program, once this plan turned out not to be replayable
 
     def _fresh_values(self) -> list[Value]:
-        names = self.w.fresh_kernel | self.w.fresh_library
+        names = self.writer.fresh_kernel | self.writer.fresh_library
         seen, out = set(), []
         for v, _ in self.plan.program.outputs:
             if v is not None:
-                b = self.w.a.base(v)
+                b = self.writer.a.base(v)
                 if b.name in names and b.name not in seen:
                     seen.add(b.name)
                     out.append(b)
@@ -118,7 +135,7 @@ class BoundProgram(FusedProgram):
     def _allocate_statics(self) -> None:
         arena = torch.empty(self.memory.arena_bytes, dtype=torch.uint8, device=self.device) if self.memory.arena_bytes else None
         self.static_tensors: dict[str, torch.Tensor] = {}  # value name -> its static buffer
-        for name, (m, offset) in self.w.statics.items():
+        for name, (m, offset) in self.writer.statics.items():
             if offset is not None:
                 self.env[name] = arena[offset : offset + _nbytes(m)].view(m.dtype).view(tuple(m.shape))
             else:
@@ -163,7 +180,7 @@ class BoundProgram(FusedProgram):
                     self.env[item.name]()
             else:
                 self.env[item.name](D)
-                self._check_layouts(item, D)
+                self._conform(item, D)
                 self._upload(item.group, D)
         self.table.end()
         self.replays += 1
@@ -173,29 +190,37 @@ class BoundProgram(FusedProgram):
     def _upload(self, group: int, D: dict) -> None:
         lo, hi, members = self.groups[group]
         if hi > lo:
-            addresses = [
-                D[r.root].data_ptr() + r.delta if r.kind == ADDRESS else value_bits(D[r.root]) if r.kind == VALUE else 0 for r in members
-            ]
+            addresses = [_slot_word(r, D) for r in members]
             for k in self.must_align[group]:
                 if addresses[k] % POINTER_ALIGNMENT:
                     r = members[k]
                     raise NotBindable(f"{r.value.name} (a view of {r.root}) lost the 16-byte alignment the captured kernels assume")
-            for k, address in self.must_stay[group]:
-                if addresses[k] != address:
-                    members[k].never_pin = True  # it will be copied into a mirror from now on
-                    raise Moved(f"{members[k].value.name} (a parameter the library calls read in place) moved")
+            moved = [members[k] for k, address in self.must_stay[group] if addresses[k] != address]
+            if moved:
+                for r in moved:
+                    r.never_pin = True  # copied into a mirror from now on
+                names = ", ".join(f"{r.value.name} {r.value.type}" for r in moved)
+                raise Moved(f"parameters that library calls read in place moved: {names}")
             self.table.write(lo, addresses)
             self.table.upload(lo, hi)
 
-    def _check_layouts(self, step: EagerStep, D: dict) -> None:
+    def _conform(self, step: EagerStep, D: dict) -> None:
+        """An eager step's results in the layout, dtype and 16-byte alignment the captured segments
+        read them with: a result that comes back otherwise is copied into that form, and the replay
+        goes on (the step has run; giving up now would run it twice)."""
         for name in step.results:
-            t = D[name]
-            seen = self.layouts.get(name)
-            if seen is not None and isinstance(t, torch.Tensor) and (tuple(t.shape), t.stride(), t.dtype) != seen:
+            t, seen = D[name], self.layouts.get(name)
+            if seen is None or not isinstance(t, torch.Tensor):
+                continue
+            shape, stride, dtype, aligned = seen
+            if (tuple(t.shape), t.stride(), t.dtype) == (shape, stride, dtype) and not (aligned and t.data_ptr() % POINTER_ALIGNMENT):
+                continue
+            if tuple(t.shape) != shape or 0 in stride:  # nothing to copy into (torch checked the shape)
                 raise NotBindable(
-                    f"eager step {step.name} returned {name} as {tuple(t.shape)} stride {t.stride()} {t.dtype}; "
-                    f"the captured segments read it as {seen[0]} stride {seen[1]} {seen[2]}"
+                    f"eager step {step.name} returned {name} as {tuple(t.shape)} stride {t.stride()}, not {shape} stride {stride}"
                 )
+            D[name] = torch.empty_strided(shape, stride, dtype=dtype, device=t.device).copy_(t)
+            stats_module.STATS.conformed += 1
 
     # -- warm-up and capture ---------------------------------------------------------------------
 
@@ -205,7 +230,7 @@ class BoundProgram(FusedProgram):
 
         for r in self.groups[group][2]:
             root = D[r.root]
-            t = evaluate_view(self.w.a, r.value, D)
+            t = evaluate_view(self.writer.a, r.value, D)
             if r.kind == VALUE:
                 self.env[f"V{r.rid}"] = torch.as_strided(self.env[f"C{r.rid}"], t.shape, t.stride())
                 self.env[f"S{r.rid}"] = t.stride()
@@ -266,7 +291,7 @@ class BoundProgram(FusedProgram):
                 specs.append(("static", t) if t is not None else ("slot", r.slot))
                 shape, st = tuple(r.value.shape), r.strides
             else:
-                t = evaluate_view(self.w.a, x, self.static_tensors)
+                t = evaluate_view(self.writer.a, x, self.static_tensors)
                 specs.append(("static", t))
                 shape, st = tuple(t.shape), t.stride()
             strides.append((0, *st) if len(shape) == 2 else tuple(st))
@@ -279,21 +304,30 @@ class BoundProgram(FusedProgram):
         cuda = self.device.type == "cuda"
         try:
             outs = self._warm_up(D, cuda)
+        except EagerStepError as e:  # the user's error, raised as eager autograd would raise it
+            raise e.__cause__ from None
         except Exception as e:  # a kernel that fails to compile, a library call that won't bind
-            return self._give_up(f"the warm-up failed: {_first_line(e)}", D)
+            return self._give_up(f"the warm-up failed: {describe_error(e)}", D)
         if cuda:
             try:
                 self._capture()
             except Exception as e:  # a library call that synchronizes can't be captured
                 for seg in self.segments:
                     seg.graph = None
-                self.fallback = unbound(self.plan, self.interpret, f"CUDA graph capture failed: {_first_line(e)}")
+                self.fallback = unbound(self.plan, self.interpret, f"CUDA graph capture failed: {describe_error(e)}")
+                self.env.clear()
         self.ready = True
         return outs
 
     def _give_up(self, reason: str, D: dict):
-        """Run this call, and every later one, through the plain fused program."""
+        """Run this call, and every later one, through the plain fused program, and let go of the
+        graphs, the table and the static buffers."""
         self.fallback = unbound(self.plan, self.interpret, reason)
+        for seg in self.segments:
+            seg.graph = None
+        self.env.clear()
+        self.static_tensors.clear()
+        self.table = None
         return self.fallback([D[name] for name in self.input_names])
 
     def _warm_up(self, D: dict, cuda: bool):
@@ -321,10 +355,13 @@ class BoundProgram(FusedProgram):
                         self.env[item.name]()
                 else:
                     with on_side():
-                        self.env[item.name](D)
-                    self.layouts |= {
-                        n: (tuple(D[n].shape), D[n].stride(), D[n].dtype) for n in item.results if isinstance(D[n], torch.Tensor)
-                    }
+                        try:
+                            self.env[item.name](D)
+                        except Exception as e:
+                            raise EagerStepError() from e
+                    for n in item.results:
+                        if isinstance(D[n], torch.Tensor):
+                            self.layouts[n] = (tuple(D[n].shape), D[n].stride(), D[n].dtype, D[n].data_ptr() % POINTER_ALIGNMENT == 0)
                     self._bind_group(item.group, D)
                     self._upload(item.group, D)
             outs = self.env["outputs"](D)
@@ -350,7 +387,7 @@ class BoundProgram(FusedProgram):
     def launches_per_replay(self) -> tuple[int, int]:
         """After the first call: (kernel launches inside the segments, what the host issues per
         replay: one launch per graph, one table upload per group that has slots, each eager step)."""
-        inside = self.launches - self.w.copy_launches - sum(isinstance(s, EagerStep) for s in self.schedule)
+        inside = self.launches - self.writer.copy_launches - sum(isinstance(s, EagerStep) for s in self.schedule)
         for seg in self.segments:
             for name, _direction, _rids in seg.copies:
                 inside += len(getattr(self.env[name], "launches", ()))
@@ -365,23 +402,23 @@ class BoundProgram(FusedProgram):
 
 def bound_or_fused(plan: FusionPlan, interpret: bool):
     """The bound program, or the plain fused one with a warning that says why not."""
-    reason = None
     try:
-        bound = BoundProgram(bind_through_table(plan, interpret))
-        n = len(bound.segments)
-        if n > flags.max_segments():
-            reason = f"{n} captured segments (opaque nodes split the backward), more than GPUAUTOGRAD_MAX_SEGMENTS={flags.max_segments()}"
-        else:
-            return bound
+        bound = bind_through_table(plan, interpret)
     except NotBindable as e:
-        reason = str(e)
-    return unbound(plan, interpret, reason)
+        return unbound(plan, interpret, str(e))
+    n = sum(isinstance(s, Segment) for s in bound.schedule)
+    if n > flags.max_segments():
+        reason = f"{n} captured segments (opaque nodes split the backward), more than GPUAUTOGRAD_MAX_SEGMENTS={flags.max_segments()}"
+        return unbound(plan, interpret, reason)
+    return BoundProgram(bound)
 
 
 def unbound(plan: FusionPlan, interpret: bool, reason: str) -> FusedProgram:
     stats_module.STATS.not_graphed[reason] += 1
     warnings.warn(
-        f"gpuautograd: this backward is not graphed ({reason}); it runs the fused kernels without replay", RuntimeWarning, stacklevel=5
+        f"gpuautograd: this backward is not graphed ({reason}); it runs the fused kernels without replay",
+        RuntimeWarning,
+        stacklevel=_user_stacklevel(),
     )
     return _Writer(plan, interpret).write()
 

@@ -20,6 +20,7 @@ class Stats:
     graph_captures: int = 0  # CUDA graphs captured (one per segment of a bound plan)
     replays: int = 0  # calls of a bound plan after its first
     not_graphed: collections.Counter = field(default_factory=collections.Counter)  # reason -> plans
+    conformed: int = 0  # eager-step results copied into the layout the captured segments read
 
     def record_miss(self, reason: str) -> None:
         """`reason`: the guard that failed, in words."""
@@ -37,6 +38,7 @@ class Stats:
             "graph_captures": self.graph_captures,
             "replays": self.replays,
             "not_graphed": dict(self.not_graphed),
+            "conformed": self.conformed,
         }
 
 

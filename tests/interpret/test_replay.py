@@ -74,8 +74,8 @@ def test_too_many_segments_run_unreplayed_with_a_warning(monkeypatch):
 
 
 class Strided(torch.autograd.Function):
-    """Its backward returns a transposed gradient on some calls: a layout the captured segments
-    did not see."""
+    """Its backward returns a transposed gradient from its third call on: a layout the captured
+    segments did not see. It counts its calls: a backward must run it once."""
 
     calls = 0
 
@@ -89,29 +89,46 @@ class Strided(torch.autograd.Function):
         return g.t().contiguous().t() if Strided.calls >= 3 else g * 1
 
 
-def test_eager_result_with_a_new_layout_stops_replay_with_a_warning():
-    Strided.calls = 0
+def test_eager_result_with_a_new_layout_is_copied_into_the_captured_one():
+    """The step has run by then: giving up would run it twice. Its result is copied into the
+    layout the segments read, and the replay goes on."""
     first, last = rc.split_model(CPU)
+    twin_first, twin_last = copy.deepcopy(first), copy.deepcopy(last)
+    params = list(first.parameters()) + list(last.parameters())
+    twin_params = list(twin_first.parameters()) + list(twin_last.parameters())
     for step in range(4):
         x = CPU.randn(4, 6)
-        expected_first = copy.deepcopy(first)
-        expected_last = copy.deepcopy(last)
-        calls = Strided.calls
-        expected_last(Strided.apply(expected_first(x))).square().mean().backward()
-        Strided.calls = calls
-        loss = last(Strided.apply(first(x))).square().mean()
-        if step == 2:
-            with pytest.warns(RuntimeWarning, match="not graphed.*eager1 returned"):
-                gpuautograd.backward(loss, backend=REPLAY)
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                gpuautograd.backward(loss, backend=REPLAY)
-        for p, q in zip(
-            list(first.parameters()) + list(last.parameters()), list(expected_first.parameters()) + list(expected_last.parameters())
-        ):
+        Strided.calls = step
+        twin_last(Strided.apply(twin_first(x))).square().mean().backward()
+        Strided.calls = step
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            gpuautograd.backward(last(Strided.apply(first(x))).square().mean(), backend=REPLAY)
+        assert Strided.calls == step + 1
+        for p, q in zip(params, twin_params):
             assert_close(p.grad, q.grad)
-            p.grad = None
+            p.grad = q.grad = None
+    st = gpuautograd.stats()
+    assert st["replays"] == 3 and st["conformed"] == 2 and not st["not_graphed"]
+
+
+class Failing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("the user's backward failed")
+
+
+def test_an_error_in_a_custom_backward_reaches_the_caller_as_it_is():
+    first, last = rc.split_model(CPU)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not a "not graphed" warning: it is the user's error
+        with pytest.raises(ValueError, match="the user's backward failed"):
+            gpuautograd.backward(last(Failing.apply(first(CPU.randn(4, 6)))).sum(), backend=REPLAY)
+    assert not gpuautograd.stats()["not_graphed"]
 
 
 def test_kernels_read_dynamic_pointers_from_the_table():

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 from torch.testing import assert_close
@@ -337,6 +339,64 @@ def parameter_that_moves_is_recaptured(w: Where):
     assert len(recaptures) == 1 and "moved" in recaptures[0], st["miss_reasons"]
 
 
+class Strided(torch.autograd.Function):
+    """Its backward returns a transposed gradient from its third call on: a layout the captured
+    segments did not see. It counts its calls: a backward must run it once."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        Strided.calls += 1
+        return g.t().contiguous().t() if Strided.calls >= 3 else g * 1
+
+
+def eager_result_with_a_new_layout_is_copied_into_the_captured_one(w: Where):
+    """The step has run by then: giving up would run it twice. Its result is copied into the
+    layout the segments read, and the replay goes on."""
+    first, last = split_model(w)
+    twin_first, twin_last = copy.deepcopy(first), copy.deepcopy(last)
+    params = list(first.parameters()) + list(last.parameters())
+    twin_params = list(twin_first.parameters()) + list(twin_last.parameters())
+    for step in range(4):
+        x = w.randn(4, 6)
+        Strided.calls = step
+        twin_last(Strided.apply(twin_first(x))).square().mean().backward()
+        Strided.calls = step
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="gpuautograd")  # no fallback, no "not graphed"
+            gpuautograd.backward(last(Strided.apply(first(x))).square().mean(), backend=w.backend)
+        assert Strided.calls == step + 1
+        for p, q in zip(params, twin_params):
+            w.close(p.grad, q.grad)
+            p.grad = q.grad = None
+    st = gpuautograd.stats()
+    assert st["replays"] == 3 and st["conformed"] == 2 and not st["not_graphed"]
+
+
+class Failing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("the user's backward failed")
+
+
+def an_error_in_a_custom_backward_reaches_the_caller_as_it_is(w: Where):
+    first, last = split_model(w)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gpuautograd")  # not a "not graphed" warning: it is the user's error
+        with pytest.raises(ValueError, match="the user's backward failed"):
+            gpuautograd.backward(last(Failing.apply(first(w.randn(4, 6)))).sum(), backend=w.backend)
+    assert not gpuautograd.stats()["not_graphed"]
+
+
 def bitwise_equal_to_the_unbound_plan(w: Where, name: str, unbound: str):
     """Reading pointers from the table changes no arithmetic: replayed gradients equal those of the
     same fused plan launched without binding (`unbound`: "interpret" or "triton") bit for bit."""
@@ -361,6 +421,8 @@ def bitwise_equal_to_the_unbound_plan(w: Where, name: str, unbound: str):
 
 
 CASES = [
+    eager_result_with_a_new_layout_is_copied_into_the_captured_one,
+    an_error_in_a_custom_backward_reaches_the_caller_as_it_is,
     parameter_that_moves_is_recaptured,
     input_leaf_that_requires_grad_is_read_through_the_table,
     grad_held_across_steps_is_never_overwritten,

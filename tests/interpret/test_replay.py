@@ -6,7 +6,6 @@ instead of replaying a graph. The hazards shared with the GPU tier live in tests
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -71,64 +70,6 @@ def test_too_many_segments_run_unreplayed_with_a_warning(monkeypatch):
     assert not rc.bound_programs()
     (reason,) = gpuautograd.stats()["not_graphed"]
     assert "GPUAUTOGRAD_MAX_SEGMENTS=1" in reason
-
-
-class Strided(torch.autograd.Function):
-    """Its backward returns a transposed gradient from its third call on: a layout the captured
-    segments did not see. It counts its calls: a backward must run it once."""
-
-    calls = 0
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        Strided.calls += 1
-        return g.t().contiguous().t() if Strided.calls >= 3 else g * 1
-
-
-def test_eager_result_with_a_new_layout_is_copied_into_the_captured_one():
-    """The step has run by then: giving up would run it twice. Its result is copied into the
-    layout the segments read, and the replay goes on."""
-    first, last = rc.split_model(CPU)
-    twin_first, twin_last = copy.deepcopy(first), copy.deepcopy(last)
-    params = list(first.parameters()) + list(last.parameters())
-    twin_params = list(twin_first.parameters()) + list(twin_last.parameters())
-    for step in range(4):
-        x = CPU.randn(4, 6)
-        Strided.calls = step
-        twin_last(Strided.apply(twin_first(x))).square().mean().backward()
-        Strided.calls = step
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            gpuautograd.backward(last(Strided.apply(first(x))).square().mean(), backend=REPLAY)
-        assert Strided.calls == step + 1
-        for p, q in zip(params, twin_params):
-            assert_close(p.grad, q.grad)
-            p.grad = q.grad = None
-    st = gpuautograd.stats()
-    assert st["replays"] == 3 and st["conformed"] == 2 and not st["not_graphed"]
-
-
-class Failing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        raise ValueError("the user's backward failed")
-
-
-def test_an_error_in_a_custom_backward_reaches_the_caller_as_it_is():
-    first, last = rc.split_model(CPU)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # not a "not graphed" warning: it is the user's error
-        with pytest.raises(ValueError, match="the user's backward failed"):
-            gpuautograd.backward(last(Failing.apply(first(CPU.randn(4, 6)))).sum(), backend=REPLAY)
-    assert not gpuautograd.stats()["not_graphed"]
 
 
 def test_kernels_read_dynamic_pointers_from_the_table():

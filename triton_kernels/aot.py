@@ -15,7 +15,10 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16:
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
-def _compile(fn, runtime_sig: dict, options: dict, aligned: list[int], arch: int):
+def compile_function(fn, runtime_sig: dict, options: dict, aligned: list[int], arch: int):
+    """Compile plain kernel function `fn` for sm_<arch>: `runtime_sig` types its runtime arguments,
+    `options` holds its constexprs and launch options, `aligned` the positions of pointer
+    arguments to mark 16-byte aligned. Also what `gpuautograd.compile_check` compiles with."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -35,7 +38,7 @@ def _compile(fn, runtime_sig: dict, options: dict, aligned: list[int], arch: int
 def compile_table_copy(element_size: int, direction: str, arch: int, chunk_bytes: int = COPY_CHUNK_BYTES):
     """The copy kernel for one element size (1, 2, 4, 8) and direction ("in"/"out")."""
     options = copy_options(element_size, direction, chunk_bytes, interpret=False)
-    return _compile(table_copy_kernel, {"table_ptr": "*i64", "desc_ptr": "*i64"}, options, [0, 1], arch)
+    return compile_function(table_copy_kernel, {"table_ptr": "*i64", "desc_ptr": "*i64"}, options, [0, 1], arch)
 
 
 def compile_table_matmul(
@@ -52,4 +55,4 @@ def compile_table_matmul(
     pointer = POINTER_TYPES[dtype]
     runtime_sig = {"table_ptr": "*i64", "a_ptr": pointer, "b_ptr": pointer, "c_ptr": pointer}
     runtime_sig.update({"a_slot": "i32", "b_slot": "i32", "c_slot": "i32"})
-    return _compile(table_matmul_kernel, runtime_sig, options, [0, 1, 2, 3], arch)
+    return compile_function(table_matmul_kernel, runtime_sig, options, [0, 1, 2, 3], arch)

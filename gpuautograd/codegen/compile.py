@@ -160,13 +160,8 @@ def signature(ks: KernelSource) -> tuple[dict, dict]:
 
 def compile_ahead(ks: KernelSource, arch: int):
     """Compile one kernel for CUDA sm_<arch> with no GPU (raises the compiler's error)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from ..triton_kernels.aot import compile_function
 
-    fn = triton.jit(python_function(ks))
     sig, constexprs = signature(ks)
-    # constexprs keyed by argument position: what every Triton 3.x accepts (3.9 also takes names)
-    constexprs = {(fn.arg_names.index(name),): value for name, value in constexprs.items()}
-    source = ASTSource(fn, sig, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": ks.num_warps})
+    runtime_sig = {name: ty for name, ty in sig.items() if ty != "constexpr"}
+    return compile_function(python_function(ks), runtime_sig, {**constexprs, "num_warps": ks.num_warps}, [], arch)

@@ -113,7 +113,8 @@ class Case:
 
 
 def capture(fn, inner: int) -> torch.cuda.CUDAGraph:
-    """Warm up on a side stream (Triton compiles on its first launch), then capture `inner` calls."""
+    """Warm up on a side stream (Triton compiles on its first launch, which a capture can't hold),
+    then capture `inner` calls. The GPU tests capture with it too."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -11,26 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.extern_binding import capture
 from gpuautograd.triton_kernels import TableCopy, TableMatmul, matmul_strides, span
 from tests.table_helpers import addresses, assert_bits_equal, assert_matmul_close, table_of, values
 
 DEVICE = "cuda"
 ROUNDS = 3
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    """Run fn once on a side stream (Triton compiles on the first launch, which capture can't
-    hold), then capture it."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def bind(table: torch.Tensor, *tensors: torch.Tensor) -> None:
@@ -59,7 +45,7 @@ def test_table_copy_in_and_out_replay_on_rebound_tensors():
     table = table_of(*first, *first_destinations)
     copy_in = TableCopy(table, [(k + 1, s, s.numel()) for k, s in enumerate(statics)], "in")
     copy_out = TableCopy(table, [(n_in + k + 1, o, o.numel()) for k, o in enumerate(outputs)], "out")
-    graph = capture(lambda: (copy_in(), copy_out()))
+    graph = capture(lambda: (copy_in(), copy_out()), 1)
     previous = None
     for round_ in range(ROUNDS):
         sources = copy_sources(10 * (round_ + 1), unaligned=round_ == 1)
@@ -95,7 +81,7 @@ def test_table_matmul_replays_on_rebound_tensors(dtype, batch):
     a, b, c = operands(0, False)
     table = table_of(a, b, c)
     mm = TableMatmul(table, ("slot", 1), ("slot", 2), ("slot", 3), (batch, m, n, k), tuple(map(matmul_strides, (a, b, c))), dtype)
-    graph = capture(mm)
+    graph = capture(mm, 1)
     for round_ in range(ROUNDS):
         a, b, c = operands(round_ + 1, unaligned=round_ == 1)  # round 1 takes the kernel's unaligned path
         bind(table, a, b, c)
@@ -112,7 +98,7 @@ def test_static_operands_and_table_operands_mix_in_a_replayed_graph():
     table = table_of(x)
     strides = (matmul_strides(x), matmul_strides(weight), matmul_strides(out))
     mm = TableMatmul(table, ("slot", 1), ("static", weight), ("static", out), (1, m, n, k), strides, torch.float32)
-    graph = capture(mm)
+    graph = capture(mm, 1)
     for round_ in range(ROUNDS):
         x = torch.randn(m, k, device=DEVICE)
         bind(table, x)
@@ -146,7 +132,7 @@ def test_copy_in_library_matmul_copy_out_replays(dtype):
         torch.mm(a_view, b_view, out=c_static.view(m, n))
         copy_out()
 
-    graph = capture(step)
+    graph = capture(step, 1)
     for round_ in range(ROUNDS):
         a, b, c = operands(round_ + 1)
         bind(table, a, b, c)

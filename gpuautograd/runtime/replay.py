@@ -312,23 +312,24 @@ class BoundProgram(FusedProgram):
             try:
                 self._capture()
             except Exception as e:  # a library call that synchronizes can't be captured
-                for seg in self.segments:
-                    seg.graph = None
-                self.fallback = unbound(self.plan, self.interpret, f"CUDA graph capture failed: {describe_error(e)}")
-                self.env.clear()
+                self._release(f"CUDA graph capture failed: {describe_error(e)}")
         self.ready = True
         return outs
 
     def _give_up(self, reason: str, D: dict):
-        """Run this call, and every later one, through the plain fused program, and let go of the
-        graphs, the table and the static buffers."""
+        """Run this call, and every later one, through the plain fused program."""
+        self._release(reason)
+        return self.fallback([D[name] for name in self.input_names])
+
+    def _release(self, reason: str) -> None:
+        """From now on calls go to the plain fused program; let go of the graphs, the table and the
+        static buffers."""
         self.fallback = unbound(self.plan, self.interpret, reason)
         for seg in self.segments:
             seg.graph = None
         self.env.clear()
         self.static_tensors.clear()
         self.table = None
-        return self.fallback([D[name] for name in self.input_names])
 
     def _warm_up(self, D: dict, cuda: bool):
         """The first call runs the bound segments eagerly (on a side stream on CUDA): this compiles

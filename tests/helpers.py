@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gpuautograd
+from gpuautograd.runtime.engine import FUSED_BACKENDS
 from gpuautograd.tolerances import TOLERANCES
 
 
@@ -23,7 +24,6 @@ def assert_close(actual, expected, dtype=None, msg=""):
 
 
 # Backends that run generated kernels: their gradients are also checked against the reference executor.
-FUSED_BACKENDS = ("interpret", "triton", "cudagraph", "interpret-replay")
 
 # The one-time warning of a kernel that failed to compile or launch and fell back to reference ops.
 KERNEL_FAILURE = r"gpuautograd: kernel "

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import gpuautograd
 from gpuautograd.fusion import heuristics as H
 from tests.helpers import assert_close, check_grads, no_kernel_fallback, rand
+from tests.replay_cases import Double
 
 BACKEND = "interpret"
 F32, BF16 = torch.float32, torch.bfloat16
@@ -313,25 +314,15 @@ def test_identical_kernels_of_repeated_layers_share_one_function():
     assert report.compiled == report.kernels and not report.failures
 
 
-class _Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 3
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 3
-
-
 def test_an_opaque_node_between_kernels():
     """A custom Function's backward runs as a library call of the live node between generated
     kernels (the planner once read its node-typed input as a tensor)."""
     x = rand(5, 7)
     w = rand(7)
     with no_kernel_fallback():
-        report = gpuautograd.explain((_Scale.apply(x.sin() * w)).exp().sum(), backend="interpret")
-        assert report.opaque_nodes == ["_ScaleBackward"]
-        ours = gpuautograd.grad((_Scale.apply(x.sin() * w)).exp().sum(), (x, w), backend="interpret")
-    theirs = torch.autograd.grad((_Scale.apply(x.sin() * w)).exp().sum(), (x, w))
+        report = gpuautograd.explain((Double.apply(x.sin() * w)).exp().sum(), backend="interpret")
+        assert report.opaque_nodes == ["DoubleBackward"]
+        ours = gpuautograd.grad((Double.apply(x.sin() * w)).exp().sum(), (x, w), backend="interpret")
+    theirs = torch.autograd.grad((Double.apply(x.sin() * w)).exp().sum(), (x, w))
     for a, b in zip(ours, theirs):
         assert_close(a, b)

@@ -60,7 +60,3 @@ class PointerTable:
         event.record(stream)
         self.events[self.current] = event
         self.last_stream, self.last_event = stream, event
-
-    def values(self) -> list[int]:
-        """The device table's contents (for tests and debugging; synchronizes on CUDA)."""
-        return self.device_table.tolist()

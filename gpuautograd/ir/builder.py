@@ -61,6 +61,13 @@ class Builder:
         self.program.instrs.append(Instr(op, tuple(inputs), dict(attrs), outs, self.origin))
         return outs[0] if len(outs) == 1 and op != "opaque" else outs
 
+    def copy(self, instr: Instr, inputs: Sequence[Operand]) -> tuple[Value | None, ...]:
+        """Append `instr` on new operands, with fresh outputs of the types it recorded (passes that
+        rebuild a program use this: nothing is inferred again)."""
+        outs = tuple(None if o is None else self._new_value(o.type) for o in instr.outputs)
+        self.program.instrs.append(Instr(instr.op, tuple(inputs), dict(instr.attrs), outs, self.origin))
+        return outs
+
     # -- pointwise ------------------------------------------------------------------------
     def __getattr__(self, name: str):
         # b.mul(x, y), b.exp(x), ...: any pointwise op of the table without extra attributes.

@@ -25,6 +25,7 @@ CREATION = "creation"
 SCAN = "scan"  # cumulative ops along one dim: the output has the input's shape
 EXTERN = "extern"  # one library call (matmul, convolution backward, attention backward, ...)
 OPAQUE = "opaque"  # a call of a live autograd node
+COMPOSITE = "composite"  # one aten backward kernel for the reference executor; `decompose` for fusion
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class OpDef:
     infer: Callable[[list, dict], list]
     view: bool = False  # the output may alias the first input
     effect: bool = False  # must run even if its outputs are unused
+    decompose: Callable[..., Any] | None = None  # composites: (builder, *inputs, **attrs) -> outputs in primitive ops
 
     def __call__(self, *args, **kwargs):
         return self.impl(*args, **kwargs)
@@ -43,13 +45,13 @@ class OpDef:
 OPS: dict[str, OpDef] = {}
 
 
-def register_op(name: str, kind: str, infer=None, *, view: bool = False, effect: bool = False):
+def register_op(name: str, kind: str, infer=None, *, view: bool = False, effect: bool = False, decompose=None):
     """Decorator: register `impl` as the reference implementation of op `name`."""
 
     def deco(impl):
         if name in OPS:
             raise ValueError(f"IR op {name!r} is registered twice")
-        OPS[name] = OpDef(name, kind, impl, infer or _infer_by_meta(impl), view, effect)
+        OPS[name] = OpDef(name, kind, impl, infer or _infer_by_meta(impl), view, effect, decompose)
         return impl
 
     return deco
@@ -385,5 +387,6 @@ def _opaque(node, *grads, present, out_types, python_positions):
     return tuple(out)
 
 
-# Library-call ops of the nn family live in their own module but in this one table.
-from . import extern_ops  # noqa: E402,F401
+# Library-call ops of the nn family and the composite backward kernels live in their own modules
+# but in this one table.
+from . import composite_ops, extern_ops  # noqa: E402,F401

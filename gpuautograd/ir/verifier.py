@@ -3,10 +3,10 @@ instructions record. Errors print the program around the bad instruction."""
 
 from __future__ import annotations
 
-from .builder import IRError
-from .ops import get_op
+from .builder import Builder, IRError
+from .ops import COMPOSITE, get_op
 from .printer import format_header, format_lines
-from .program import Program, Value
+from .program import InputSpec, Program, Value
 
 WINDOW = 4  # instructions shown on each side of the bad one
 
@@ -26,6 +26,23 @@ def _fail(program: Program, index: int, message: str) -> None:
     if hi < len(lines):
         shown.append("  ...")
     raise VerifyError(f"{message}\n\n{format_header(program)}\n" + "\n".join(shown))
+
+
+def _check_decomposition(program: Program, index: int, opdef, in_types, got) -> None:
+    """A composite's decomposition must infer the types the composite does."""
+    instr = program.instrs[index]
+    b = Builder()
+    b.origin = instr.origin
+    inputs = [b.input(t, InputSpec("saved", k)) if isinstance(x, Value) else x for k, (x, t) in enumerate(zip(instr.inputs, in_types))]
+    try:
+        out = opdef.decompose(b, *inputs, **instr.attrs)
+    except Exception as e:  # noqa: BLE001 - any failure to decompose is a verify failure
+        _fail(program, index, f"the decomposition of {instr.op} fails: {e}")
+    outs = out if isinstance(out, tuple) else (out,)
+    decomposed = [None if o is None else o.type for o in outs]
+    if decomposed != got:
+        shown = ", ".join(map(str, decomposed))
+        _fail(program, index, f"{instr.op} infers ({', '.join(map(str, got))}) but its decomposition infers ({shown})")
 
 
 def verify(program: Program) -> None:
@@ -51,6 +68,8 @@ def verify(program: Program) -> None:
         if list(expected) != got:
             shown = ", ".join(str(t) for t in expected)
             _fail(program, i, f"{instr.op} records types ({', '.join(map(str, got))}) but infers ({shown})")
+        if opdef.kind == COMPOSITE:
+            _check_decomposition(program, i, opdef, in_types, got)
         for o in instr.outputs:
             if o is not None:
                 if id(o) in defined:

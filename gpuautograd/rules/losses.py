@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import struct
 
+from ..ir import composite_ops
 from .pointwise import opmath
 from .registry import register
 
@@ -42,7 +43,9 @@ def _difference_loss(b, node, grads, slope):
 def mse_loss_backward(b, node, grads):
     # self: mse_loss_backward(grad, self, target, reduction) = norm * (self - target) * grad, norm = 2 (/ numel for mean)
     # target: mse_loss_backward(grad, target, self, reduction) = -(the self gradient)
-    return _difference_loss(b, node, grads, lambda d: b.mul(d, 2.0))
+    s = node.saved
+    mask = (node.needs(0), node.needs(1))
+    return list(composite_ops.emit(b, "mse_loss_backward", grads[0], s("self"), s("target"), reduction=s("reduction"), output_mask=mask))
 
 
 @register("SmoothL1LossBackward0")

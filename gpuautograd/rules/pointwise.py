@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..ir import composite_ops
 from .registry import register
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -242,58 +243,37 @@ def expm1_backward(b, node, grads):
 @register("ReluBackward0")
 def relu_backward(b, node, grads):
     # self: threshold_backward(grad, result, 0) = where(result <= 0, 0, grad)
-    return [b.where(b.le(node.saved("result"), 0), 0, grads[0])]
+    return [composite_ops.emit(b, "threshold_backward", grads[0], node.saved("result"), threshold=0)]
 
 
 @register("ThresholdBackward0")
 def threshold_backward(b, node, grads):
-    # self: where(self <= threshold, 0, grad)
-    return [b.where(b.le(node.saved("self"), node.saved("threshold")), 0, grads[0])]
-
-
-_SQRT1_2 = math.sqrt(0.5)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_GELU_KAPPA = 0.044715
+    # self: threshold_backward(grad, self, threshold) = where(self <= threshold, 0, grad)
+    return [composite_ops.emit(b, "threshold_backward", grads[0], node.saved("self"), threshold=node.saved("threshold"))]
 
 
 @register("GeluBackward0")
 def gelu_backward(b, node, grads):
-    g, x = opmath(b, grads[0]), opmath(b, node.saved("self"))
-    if node.saved("approximate") == "tanh":
-        # u = sqrt(2/pi) (x + k x^3); grad * (0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u')
-        x2 = b.mul(x, x)
-        t = b.tanh(b.mul(b.add(x, b.mul(b.mul(x2, x), _GELU_KAPPA)), _SQRT_2_OVER_PI))
-        du = b.mul(b.add(b.mul(x2, 3 * _GELU_KAPPA), 1.0), _SQRT_2_OVER_PI)
-        left = b.mul(b.add(t, 1.0), 0.5)
-        right = b.mul(b.mul(b.mul(x, 0.5), b.sub(1.0, b.mul(t, t))), du)
-        return [b.mul(g, b.add(left, right))]
-    # approximate="none": grad * (Phi(x) + x * phi(x))
-    cdf = b.mul(b.add(b.erf(b.mul(x, _SQRT1_2)), 1.0), 0.5)
-    pdf = b.mul(b.exp(b.mul(b.mul(x, x), -0.5)), _INV_SQRT_2PI)
-    return [b.mul(g, b.add(cdf, b.mul(x, pdf)))]
+    # self: gelu_backward(grad, self, approximate) (formulas in ir/composite_ops.py)
+    return [composite_ops.emit(b, "gelu_backward", grads[0], node.saved("self"), approximate=node.saved("approximate"))]
 
 
 @register("SiluBackward0")
 def silu_backward(b, node, grads):
-    # self: grad * sigmoid(x) * (1 + x * (1 - sigmoid(x)))
-    g, x = opmath(b, grads[0]), opmath(b, node.saved("self"))
-    s = b.sigmoid(x)
-    return [b.mul(b.mul(g, s), b.add(b.mul(x, b.sub(1.0, s)), 1.0))]
+    # self: silu_backward(grad, self) = grad * sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+    return [composite_ops.emit(b, "silu_backward", grads[0], node.saved("self"))]
 
 
 @register("TanhBackward0")
 def tanh_backward(b, node, grads):
-    # self: grad * (1 - result * result)
-    g, y = opmath(b, grads[0]), opmath(b, node.saved("result"))
-    return [b.mul(g, b.sub(1.0, b.mul(y, y)))]
+    # self: tanh_backward(grad, result) = grad * (1 - result * result)
+    return [composite_ops.emit(b, "tanh_backward", grads[0], node.saved("result"))]
 
 
 @register("SigmoidBackward0")
 def sigmoid_backward(b, node, grads):
-    # self: grad * (1 - result) * result
-    g, y = opmath(b, grads[0]), opmath(b, node.saved("result"))
-    return [b.mul(b.mul(g, b.sub(1.0, y)), y)]
+    # self: sigmoid_backward(grad, result) = grad * (1 - result) * result
+    return [composite_ops.emit(b, "sigmoid_backward", grads[0], node.saved("result"))]
 
 
 @register("NativeDropoutBackward0")

@@ -23,6 +23,7 @@ from ..ir.program import Program, Value
 from ..ir.types import TensorType
 from ..ir.verifier import verify
 from ..passes import optimize
+from ..passes.decompose import decompose_composites
 from . import stats as stats_module
 from .accumulate import AddInPlace, accumulate_grad, retain_grad
 from .cache import Entry, PlanCache, explain_miss, structure_of
@@ -199,6 +200,8 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
         return Entry(program=None, compiled=None, fallback_reason=reason)
     request = Request(list(root_edges), [TensorType.of(g) for g in grads], list(input_edges), accumulate)
     program = lower(w, request)
+    if backend in FUSED_BACKENDS:  # fusion wants the steps of each composite backward kernel
+        program = decompose_composites(program)
     program = optimize(program, stats_module.STATS.pass_seconds)
     verify(program)
     arg_plan = [(spec.kind, spec.index) for _, spec in program.inputs]

@@ -104,4 +104,5 @@ def test_every_op_has_reference_and_inference():
     for name, op in OPS.items():
         assert callable(op.impl), name
         assert callable(op.infer), name
-        assert op.kind in {"pointwise", "reduction", "scan", "layout", "index", "creation", "extern", "opaque"}, name
+        assert op.kind in {"pointwise", "reduction", "scan", "layout", "index", "creation", "extern", "opaque", "composite"}, name
+        assert (op.kind == "composite") == callable(op.decompose), f"{name}: a composite, and only a composite, has a decomposition"

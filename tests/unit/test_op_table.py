@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from bench.models import SUITE
 from gpuautograd.ir.ops import OPS, get_op
 from gpuautograd.ir.program import Value
+from gpuautograd.passes.decompose import decompose_composites
 from gpuautograd.runtime import engine
 
 CUDA_ONLY = {"sdpa_efficient_backward", "sdpa_flash_backward", "sdpa_cudnn_backward", "to_device"}
@@ -52,6 +53,7 @@ def zoo():
     yield "shape", F.pad(x[None], (2, 1), mode="reflect").tril(1).sum() + F.interpolate(x[None, None], scale_factor=2).sum()
     yield "scans", x.cumsum(1).cosh().sum() + (x.sigmoid() - 0.5).erfinv().sum() + x.prod(1).sum()
     yield "group_norm", F.group_norm(_leaf(2, 6, 5), 3, _leaf(6), _leaf(6)).pow(2).sum()
+    yield "mse", F.mse_loss(x, y) + F.mse_loss(x.exp(), y.detach(), reduction="sum") + F.threshold(x, 0.1, 2.0).sum()
     yield "nll", F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 3, 6, 1, 1]), ignore_index=1, weight=torch.rand(7, dtype=torch.float64))
 
 
@@ -64,16 +66,23 @@ def graphs():
 
 
 def run_checked(loss):
-    """Capture `loss`'s backward and run it instruction by instruction, checking every type."""
+    """Capture `loss`'s backward and run it instruction by instruction, checking every type; then
+    the same for its composites decomposed (what the fused backends start from)."""
     grads = [torch.ones_like(loss)]
     w, key, roots, inputs = engine.prepare([loss], grads, [], True, None)
     entry = engine.build_entry(w, grads, roots, inputs, True)
-    env = {}
-    for (v, _spec), (kind, i) in zip(entry.program.inputs, entry.arg_plan):
-        env[id(v)] = w.saved[i] if kind == "saved" else grads[i] if kind == "grad" else w.nodes[i]
     used = set()
+    for program in (entry.program, decompose_composites(entry.program)):
+        env = {}
+        for (v, _spec), (kind, i) in zip(program.inputs, entry.arg_plan):
+            env[id(v)] = w.saved[i] if kind == "saved" else grads[i] if kind == "grad" else w.nodes[i]
+        _run_instructions(program, env, used)
+    return used
+
+
+def _run_instructions(program, env, used):
     with torch.no_grad():
-        for instr in entry.program.instrs:
+        for instr in program.instrs:
             args = [env[id(x)] if isinstance(x, Value) else x for x in instr.inputs]
             out = get_op(instr.op).impl(*args, **instr.attrs)
             outs = out if isinstance(out, tuple) else (out,)
@@ -84,7 +93,6 @@ def run_checked(loss):
                 assert (tuple(o.shape), o.dtype) == (t.shape, t.dtype), f"{instr.op}: ran to {o.dtype}{list(o.shape)}, inferred {t.type}"
                 env[id(t)] = o
             used.add(instr.op)
-    return used
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,36 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
+
 from ..ir.ops import get_op
 from ..ir.program import Program, Value
+
+# Ops written as one Python expression, not a call of their reference implementation: those are
+# most of a program's lines (arithmetic, views, sums), and the call of a partial and a wrapper
+# function costs about as much as the torch op on small tensors. Each template gives exactly the
+# reference implementation's result (ir/ops.py). `tensor_...` globals are torch functions bound once.
+_BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}"}
+_GLOBALS = {"torch": torch, "torch_sum": torch.sum, "torch_mm": torch.mm, "torch_bmm": torch.bmm}
+
+
+def _inline(op: str, args: list[str], attrs: dict) -> str | None:
+    """The expression for `op` on the argument sources `args`, or None where there is none."""
+    if op in _BINARY:
+        return _BINARY[op].format(*args)
+    if op == "neg":
+        return f"-{args[0]}"
+    if op in ("reshape", "expand"):
+        return f"{args[0]}.{op}({tuple(attrs['shape'])!r})"
+    if op == "permute":
+        return f"{args[0]}.permute({tuple(attrs['dims'])!r})"
+    if op == "sum" and attrs["dims"] and attrs.get("dtype") is None:
+        return f"torch_sum({args[0]}, {tuple(attrs['dims'])!r}, {attrs['keepdim']!r})"
+    if op == "cast" and isinstance(attrs["dtype"], torch.dtype):
+        return f"{args[0]}.to({attrs['dtype']})"  # repr: torch.float32
+    if op in ("mm", "bmm"):
+        return f"torch_{op}({args[0]}, {args[1]})"
+    return None
 
 
 class CompiledProgram:
@@ -36,7 +64,7 @@ def compile_reference(program: Program) -> CompiledProgram:
                 last_use[id(x)] = k
     keep = {id(v) for v, _ in program.outputs if v is not None}
 
-    env: dict = {}
+    env: dict = dict(_GLOBALS)
     lines = ["def backward(args):"]
     params = [local_name(v) for v, _ in program.inputs]
     if params:
@@ -47,9 +75,6 @@ def compile_reference(program: Program) -> CompiledProgram:
             lines.append(f"    del {', '.join(dead)}")
 
     for k, instr in enumerate(program.instrs):
-        fn_name = f"{instr.op}_{k}"
-        impl = get_op(instr.op).impl
-        env[fn_name] = functools.partial(impl, **instr.attrs) if instr.attrs else impl
         args = []
         for x in instr.inputs:
             if isinstance(x, Value):
@@ -63,7 +88,13 @@ def compile_reference(program: Program) -> CompiledProgram:
         outs = ["_" if o is None else local_name(o) for o in instr.outputs]
         many = len(outs) > 1 or instr.op == "opaque"
         lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
-        lines.append(f"    {lhs} = {fn_name}({', '.join(args)})")
+        expression = _inline(instr.op, args, instr.attrs)
+        if expression is None:
+            fn_name = f"{instr.op}_{k}"
+            impl = get_op(instr.op).impl
+            env[fn_name] = functools.partial(impl, **instr.attrs) if instr.attrs else impl
+            expression = f"{fn_name}({', '.join(args)})"
+        lines.append(f"    {lhs} = {expression}")
         dead = [
             local_name(x)
             for x in {id(x): x for x in instr.inputs if isinstance(x, Value)}.values()

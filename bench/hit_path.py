@@ -1,6 +1,6 @@
 """Host cost of a cache hit, per autograd node, next to eager backward of the same model.
 
-    python -m bench.hit_path [--iters N] [--model gpt|mlp|llama|cnn]
+    python -m bench.hit_path [--iters N] [--model gpt|mlp|llama|cnn] [--phases]
 
 Every figure comes from one run with the variants interleaved iteration by iteration, so machine
 noise hits them alike; ratios are what to compare. Reported per iteration, median of N:
@@ -8,6 +8,9 @@ noise hits them alike; ratios are what to compare. Reported per iteration, media
   hit        gpuautograd.backward(loss) on a cache hit (walk + key + bind + run + accumulate)
   walk+key   the part of `hit` that is not running the ops: walking the graph, building and
              hashing the key, and looking the plan up
+--phases splits a hit into its steps instead, in this thread's CPU time (steady when other
+processes take the cores): walk+key, bind+release (the argument list, releasing the saved
+tensors as eager does), run (the compiled program) and deliver (.grad accumulation).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import time
 import torch
 
 import gpuautograd
+from gpuautograd.capture.walk import release_saved
 from gpuautograd.runtime import engine
+from gpuautograd.runtime.accumulate import AddInPlace, accumulate_grad
 
 from .models import SUITE
 
@@ -71,12 +76,68 @@ def measure(name: str = "gpt", iters: int = 50, threads: int = 1) -> dict:
     }
 
 
+def _hit_in_phases(loss, clock) -> dict:
+    """One cache hit of a backward() whose sinks are leaves, as engine.run does it, timed per step."""
+    t0 = clock()
+    grads = [torch.ones_like(loss)]
+    w, key, *_ = engine.prepare([loss], grads, [], True, None)
+    entry = engine.CACHE.get(key)
+    t1 = clock()
+    nodes = w.nodes
+    args = [w.saved[i] if kind == "saved" else grads[i] if kind == "grad" else nodes[i] for kind, i in entry.arg_plan]
+    w.saved.clear()
+    release_saved([nodes[i] for i in entry.functional_nodes], [w.classes[i] for i in entry.functional_nodes])
+    t2 = clock()
+    with torch.no_grad():
+        outs = entry.compiled(args)
+    t3 = clock()
+    adds = AddInPlace()
+    with torch.no_grad():
+        for g, (kind, i, _slot, owned) in zip(outs, entry.sinks):
+            assert kind == "leaf", "--phases times models whose gradients all go to leaves"
+            if g is not None and not adds.take(nodes[i].variable, g):
+                accumulate_grad(nodes[i].variable, g, owned)
+        adds.run()
+    t4 = clock()
+    return {"walk+key": t1 - t0, "bind+release": t2 - t1, "run": t3 - t2, "deliver": t4 - t3, "hit": t4 - t0}
+
+
+def measure_phases(name: str = "gpt", iters: int = 100, threads: int = 1) -> dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE[name]()
+    batch = make_batch(torch.Generator().manual_seed(0))
+    gpuautograd.backward(_forward(model, make_batch, loss_fn, batch))  # capture
+    clock = time.thread_time
+    times: dict[str, list] = {"eager": []}
+    for _ in range(iters):
+        model.zero_grad(set_to_none=True)
+        loss = _forward(model, make_batch, loss_fn, batch)
+        t0 = clock()
+        loss.backward()
+        times["eager"].append(clock() - t0)
+        model.zero_grad(set_to_none=True)
+        loss = _forward(model, make_batch, loss_fn, batch)
+        gc.disable()  # as engine.run does
+        for k, v in _hit_in_phases(loss, clock).items():
+            times.setdefault(k, []).append(v)
+        gc.enable()
+    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--model", default="gpt", choices=sorted(SUITE))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--phases", action="store_true", help="split a hit into its steps, in thread CPU time")
     args = p.parse_args(argv)
+    if args.phases:
+        med = measure_phases(args.model, args.iters, args.threads)
+        print(f"model {args.model}: thread CPU time, median of {args.iters} interleaved runs")
+        for k, v in med.items():
+            print(f"{k:>13} {v:>10.1f} us {v / med['eager']:>6.2f}x eager")
+        return
     r = measure(args.model, args.iters, args.threads)
     print(f"model {r['model']}: {r['nodes']} autograd nodes, {r['threads']} thread(s), median of {args.iters} interleaved runs")
     print(f"{'':>10} {'us/backward':>12} {'us/node':>9} {'vs eager':>9}")

@@ -387,3 +387,4 @@ def _opaque(node, *grads, present, out_types, python_positions):
 
 # Library-call ops of the nn family live in their own module but in this one table.
 from . import extern_ops  # noqa: E402,F401
+from . import linalg_ops  # noqa: E402,F401  - the solves of the linalg backward rules

@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401 - each family module registers its rules on import
     activations,
+    decompositions,
     indexing,
     linalg,
     losses,
@@ -11,6 +12,7 @@ from . import (  # noqa: F401 - each family module registers its rules on import
     pointwise,
     reductions,
     shape_ops,
+    solves,
     views,
 )
 from .registry import RULES, lookup, register

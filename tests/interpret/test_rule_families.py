@@ -23,6 +23,7 @@ from tests.helpers import DTYPES, Case, assert_close, check_grads, graph_node_na
 from tests.helpers import same_grads_as_torch as helpers_same_grads_as_torch
 from tests.unit import (
     test_rules_activations,
+    test_rules_decompositions,
     test_rules_indexing,
     test_rules_losses,
     test_rules_math,
@@ -226,6 +227,7 @@ FAMILIES = {
     "shape_ops": test_rules_shape_ops.CASES + test_rules_shape_ops.UPSAMPLE_CASES,
     "indexing": test_rules_indexing.CASES,
     "linalg": _linalg_cases(),
+    "decompositions": test_rules_decompositions.CASES,
     "nn": _nn_cases(),
 }
 

@@ -1,4 +1,5 @@
-"""Extern ops of the linalg backward rules: the triangular, LU and Cholesky solves.
+"""Extern ops of the linalg backward rules: the triangular, LU and Cholesky solves, and the
+permutation matrix of LAPACK's LU pivots.
 
 Each is one library call (LAPACK on the CPU, cuSOLVER / cuBLAS on CUDA) that the fused plan calls
 as it calls matmul. Everything else in the decompositions' backward formulas (products,
@@ -39,3 +40,10 @@ def _lu_solve(LU, pivots, B, *, left, adjoint):
 def _cholesky_solve(B, L, *, upper):
     """X with (L L^H) X = B, or (U^H U) X = B when `upper`, from the Cholesky factor."""
     return _row_major(torch.cholesky_solve(B, L, upper=upper))
+
+
+@register_op("lu_permutation", EXTERN)
+def _lu_permutation(LU, pivots):
+    """The permutation matrix P of A = P L U, from the LAPACK pivots of LU's factorization."""
+    P, _, _ = torch.lu_unpack(LU, pivots, unpack_data=False, unpack_pivots=True)
+    return _row_major(P)

@@ -6,6 +6,7 @@ from . import (  # noqa: F401 - each family module registers its rules on import
     indexing,
     linalg,
     losses,
+    lu,
     math,
     nn,
     norms,

@@ -53,9 +53,9 @@ def diagonal_offset(b, rows: int, cols: int, device):
     return b.sub(_positions(b, cols, device), b.reshape(_positions(b, rows, device), (rows, 1)))
 
 
-def eye_mask(b, n: int, device):
-    """The n x n boolean identity."""
-    return b.eq(diagonal_offset(b, n, n, device), 0)
+def eye_mask(b, n: int, device, cols: int | None = None):
+    """The n x n (or n x cols) boolean identity."""
+    return b.eq(diagonal_offset(b, n, n if cols is None else cols, device), 0)
 
 
 def tril(b, x, diagonal: int = 0):

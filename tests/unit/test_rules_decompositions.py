@@ -217,6 +217,43 @@ CASES += [
 ]
 
 
+# the LU family: factor, unpack and solve, square, wide and tall
+CASES += [
+    Case("lu_factor_square", "LinalgLuFactorExBackward0", lambda a: torch.linalg.lu_factor(a).LU, make(general(5, 5))),
+    Case("lu_factor_wide_batched", "LinalgLuFactorExBackward0", lambda a: torch.linalg.lu_factor(a).LU, make(randn(2, 4, 7))),
+    Case("lu_factor_tall_nc", "LinalgLuFactorExBackward0", lambda a: torch.linalg.lu_factor_ex(a).LU, make(randn(7, 4, nc=True))),
+    Case("lu_square", "LinalgLuBackward0", lambda a: torch.linalg.lu(a)[1:], make(general(2, 5, 5))),
+    Case("lu_wide", "LinalgLuBackward0", lambda a: torch.linalg.lu(a)[1:], make(randn(4, 7))),
+    Case("lu_tall", "LinalgLuBackward0", lambda a: torch.linalg.lu(a)[1:], make(randn(3, 7, 4))),
+    Case("lu_L_only_wide", "LinalgLuBackward0", lambda a: torch.linalg.lu(a).L, make(randn(4, 6))),
+    Case("lu_U_only_tall", "LinalgLuBackward0", lambda a: torch.linalg.lu(a).U, make(randn(6, 4))),
+    Case("lu_unpack_square", "LuUnpackBackward0", lambda a: torch.lu_unpack(*torch.linalg.lu_factor(a))[1:], make(general(5, 5))),
+    Case("lu_unpack_wide", "LuUnpackBackward0", lambda a: torch.lu_unpack(*torch.linalg.lu_factor(a))[1:], make(randn(2, 4, 6))),
+    Case("lu_unpack_tall", "LuUnpackBackward0", lambda a: torch.lu_unpack(*torch.linalg.lu_factor(a))[1:], make(randn(6, 4))),
+    Case("lu_unpack_L_only_wide", "LuUnpackBackward0", lambda a: torch.lu_unpack(*torch.linalg.lu_factor(a)).L, make(randn(4, 6))),
+    Case("lu_unpack_U_only_tall", "LuUnpackBackward0", lambda a: torch.lu_unpack(*torch.linalg.lu_factor(a)).U, make(randn(6, 4))),
+]
+for left in (True, False):
+    for adjoint in (False, True):
+        rhs = (5, 3) if left else (3, 5)
+        CASES.append(
+            Case(
+                f"lu_solve_{'left' if left else 'right'}{'_adjoint' if adjoint else ''}",
+                "LinalgLuSolveBackward0",
+                lambda a, x, left=left, adjoint=adjoint: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), x, left=left, adjoint=adjoint),
+                make(general(2, 5, 5, nc=adjoint), randn(*rhs)),
+            )
+        )
+CASES.append(
+    Case(
+        "lu_solve_broadcast",
+        "LinalgLuSolveBackward0",
+        lambda a, x: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), x),
+        make(general(5, 5), randn(3, 5, 2)),
+    )
+)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_deprecations():
     with warnings.catch_warnings():
@@ -230,11 +267,10 @@ def test_linalg_rule(case, dtype):
 
 
 def test_every_linalg_node_has_a_case():
-    from gpuautograd.rules import decompositions, solves
+    from gpuautograd.rules import decompositions, lu, solves
 
-    registered = {
-        name for name, fn in gpuautograd.rules.RULES.items() if fn.__module__ in (decompositions.__name__, solves.__name__)
-    }
+    modules = {decompositions.__name__, lu.__name__, solves.__name__}
+    registered = {name for name, fn in gpuautograd.rules.RULES.items() if fn.__module__ in modules}
     assert registered == {c.node for c in CASES}
 
 

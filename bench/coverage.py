@@ -9,9 +9,11 @@ gpuautograd (the reference executor) and under torch.autograd with the same rand
 gradients. A sample is
 
 - "correct" when every gradient matches torch's within the float64 tolerance of
-  gpuautograd.tolerances (NaN where torch gives NaN counts as agreement),
-- "functional" when it is correct and its captured program has no opaque node and it did not
-  fall back to eager autograd.
+  gpuautograd.tolerances (NaN where torch gives NaN counts as agreement); a zero gradient where
+  the other side gives none agrees in value and is counted correct, and apart ("zero-vs-none":
+  `.grad` would be zeros instead of None),
+- "functional" when every gradient matches exactly so, its captured program has no opaque node
+  and it did not fall back to eager autograd.
 
 Samples whose backward torch.autograd itself refuses (a non-differentiable sample, a sample with
 no differentiable output) are skipped and counted apart. Prints a table (shares, then the most
@@ -40,7 +42,9 @@ DTYPE = torch.float64
 class SampleResult:
     op: str  # the OpInfo's name, with its variant: "linalg.svd", "nn.functional.conv2d"
     index: int  # position among the op's samples
-    status: str  # "functional", "opaque" (correct, with opaque nodes or an eager fallback), "wrong", "error"
+    # "functional"; "opaque" (correct, with opaque nodes or an eager fallback); "zero-vs-none" (values
+    # agree, but one side gives a zero gradient where the other gives none); "wrong"; "error"
+    status: str
     opaque: list[str] = field(default_factory=list)
     detail: str = ""
 
@@ -76,36 +80,43 @@ def _outputs(op, sample) -> list[torch.Tensor]:
     return [t for t in _tensors(result) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
 
 
-def _compare(ours, theirs) -> str:
-    """'' when every gradient agrees, else what differs."""
+def _compare(ours, theirs) -> tuple[str, str]:
+    """(what differs in value, what differs only in presence): each '' when nothing does. A zero
+    gradient where torch gives none (or the reverse) agrees in value but not in `.grad`."""
     rtol, atol = TOLERANCES[DTYPE]
+    presence = ""
     for k, (a, e) in enumerate(zip(ours, theirs)):
         if (a is None) != (e is None):
-            return f"input {k}: gradient {'missing' if a is None else 'given'} where torch gives {'one' if e is not None else 'none'}"
+            given = a if e is None else e
+            if given.count_nonzero() == 0:
+                presence = presence or f"input {k}: a zero gradient {'from gpuautograd' if e is None else 'from torch'}, none from the other"
+                continue
+            return f"input {k}: gradient {'missing' if a is None else 'given'} where torch gives {'one' if e is not None else 'none'}", ""
         if a is None:
             continue
         if a.shape != e.shape or a.dtype != e.dtype:
-            return f"input {k}: {tuple(a.shape)}/{a.dtype} vs torch's {tuple(e.shape)}/{e.dtype}"
+            return f"input {k}: {tuple(a.shape)}/{a.dtype} vs torch's {tuple(e.shape)}/{e.dtype}", ""
         try:
             torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
         except AssertionError as err:
-            return f"input {k}: " + str(err).splitlines()[0]
-    return ""
+            return f"input {k}: " + str(err).splitlines()[0], ""
+    return "", presence
 
 
-def run_sample(op, sample, index: int) -> SampleResult | None:
-    """One sample's backward under gpuautograd and torch.autograd; None when torch refuses it."""
+def run_sample(op, sample, index: int) -> SampleResult:
+    """One sample's backward under gpuautograd and torch.autograd (status "skipped" when torch
+    itself refuses it)."""
     name = _op_id(op)
     leaves = _leaves(sample)
     try:
         outs = _outputs(op, sample)
         if not outs or not leaves:
-            return None
+            return SampleResult(name, index, "skipped", detail="no differentiable output or input")
         gen = torch.Generator().manual_seed(index)
         grads = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outs]
         theirs = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
-    except Exception:  # torch itself cannot differentiate this sample: not ours to score
-        return None
+    except Exception as e:  # torch itself cannot differentiate this sample: not ours to score
+        return SampleResult(name, index, "skipped", detail=f"torch: {type(e).__name__}")
     # A fresh cache for each sample: one op's many shapes would otherwise reach the recapture
     # limit and run eagerly, which measures the cache policy rather than the rules.
     gpuautograd.reset()
@@ -118,10 +129,12 @@ def run_sample(op, sample, index: int) -> SampleResult | None:
         fell_back = sum(gpuautograd.stats()["fallbacks"].values()) != fallbacks_before
     except Exception as e:  # noqa: BLE001 - any failure of ours is what the sweep reports
         return SampleResult(name, index, "error", detail=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
-    wrong = _compare(ours, theirs)
+    wrong, presence = _compare(ours, theirs)
     if wrong:
         return SampleResult(name, index, "wrong", list(report.opaque_nodes), wrong[:300])
     opaque = list(report.opaque_nodes)
+    if presence:
+        return SampleResult(name, index, "zero-vs-none", opaque, presence[:300])
     if report.program is None or fell_back:
         reason = report.fallback_reason or "fell back to eager"
         return SampleResult(name, index, "opaque", opaque or [f"eager fallback: {reason}"[:120]], reason[:300])
@@ -152,16 +165,16 @@ def sweep(ops, samples_per_op: int | None = None) -> list[SampleResult]:
             results.append(SampleResult(_op_id(op), -1, "error", detail=f"sample_inputs: {type(e).__name__}: {e}"[:300]))
             continue
         for i, sample in enumerate(samples[:samples_per_op] if samples_per_op else samples):
-            r = run_sample(op, sample, i)
-            if r is not None:
-                results.append(r)
+            results.append(run_sample(op, sample, i))
     return results
 
 
 def summarize(results: list[SampleResult], top: int = 15) -> dict:
+    skipped = sum(r.status == "skipped" for r in results)
+    results = [r for r in results if r.status != "skipped"]
     counts = collections.Counter(r.status for r in results)
     n = len(results)
-    correct = counts["functional"] + counts["opaque"]
+    correct = counts["functional"] + counts["opaque"] + counts["zero-vs-none"]
     by_node = collections.Counter(name for r in results for name in set(r.opaque))
     ops_by_node = collections.defaultdict(set)
     for r in results:
@@ -169,26 +182,29 @@ def summarize(results: list[SampleResult], top: int = 15) -> dict:
             ops_by_node[name].add(r.op)
     return {
         "samples": n,
+        "skipped": skipped,
         "ops": len({r.op for r in results}),
         "correct": correct,
         "functional": counts["functional"],
         "correct_share": round(correct / n, 4) if n else 0.0,
         "functional_share": round(counts["functional"] / n, 4) if n else 0.0,
+        "zero_vs_none": counts["zero-vs-none"],
         "wrong": counts["wrong"],
         "errors": counts["error"],
         "top_opaque": [
             {"node": name, "samples": c, "ops": sorted(ops_by_node[name])[:8]} for name, c in by_node.most_common(top)
         ],
-        "failures": [asdict(r) for r in results if r.status in ("wrong", "error")],
+        "failures": [asdict(r) for r in results if r.status in ("wrong", "error", "zero-vs-none")],
     }
 
 
 def print_report(summary: dict) -> None:
     s = summary
-    print(f"OpInfo sweep, float64 on the CPU: {s['samples']} samples of {s['ops']} ops")
+    print(f"OpInfo sweep, float64 on the CPU: {s['samples']} samples of {s['ops']} ops ({s['skipped']} more skipped: torch cannot differentiate them)")
     print("| measure | samples | share |")
     print("|---|---|---|")
     print(f"| correct gradients | {s['correct']} | {100 * s['correct_share']:.1f}% |")
+    print(f"| of which a zero gradient where the other side gives none | {s['zero_vs_none']} | |")
     print(f"| functional (no opaque node) | {s['functional']} | {100 * s['functional_share']:.1f}% |")
     print(f"| wrong gradients | {s['wrong']} | |")
     print(f"| errors | {s['errors']} | |")
@@ -197,7 +213,7 @@ def print_report(summary: dict) -> None:
         print("|---|---|---|")
         for row in s["top_opaque"]:
             print(f"| {row['node']} | {row['samples']} | {', '.join(row['ops'])} |")
-    for f in s["failures"][:20]:
+    for f in [f for f in s["failures"] if f["status"] != "zero-vs-none"][:20]:
         print(f"  {f['status']}: {f['op']}[{f['index']}]: {f['detail']}")
 
 

@@ -141,9 +141,11 @@ def linalg_det_backward(b, node, grads):
     #   (outside grad mode) d = diag_embed(grad * det);  LU_ = LU + diag_embed(where(diag(LU) == 0, eps, 0));  lu_solve(LU_, pivots, d, adjoint=!use_A_T)
     grad = grads[0]
     A, det, LU, pivots = (node.saved(n) for n in ("A", "result", "LU", "pivots"))
-    if grad is None or A.type.numel() == 0:
+    if grad is None:
         return [None]
     require_real(node, A, grad)
+    if A.type.numel() == 0:  # torch's formula returns undefined here, which its engine delivers as an empty gradient
+        return [b.zeros(A.type)]
     eps = torch.finfo(LU.dtype).eps
     # a zero pivot (a singular A) is nudged by eps: det is C^1, so the perturbed solve approximates the adjugate
     on_diagonal = eye_mask(b, LU.shape[-1], LU.device)

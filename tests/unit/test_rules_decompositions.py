@@ -173,6 +173,8 @@ CASES += [
     Case("det_batched_nc", "LinalgDetBackward0", torch.linalg.det, make(general(2, 3, 4, 4, nc=True))),
     Case("det_1x1", "LinalgDetBackward0", torch.linalg.det, make(general(3, 1, 1))),
     Case("det_singular", "LinalgDetBackward0", torch.linalg.det, _singular_zero_row),
+    Case("det_empty_batch", "LinalgDetBackward0", torch.linalg.det, make(randn(3, 0, 0))),
+    Case("det_0x0", "LinalgDetBackward0", torch.linalg.det, make(randn(0, 0))),
     Case("slogdet", "LinalgSlogdetBackward0", lambda a: tuple(torch.linalg.slogdet(a)), make(general(5, 5))),
     Case("slogdet_batched_nc", "LinalgSlogdetBackward0", lambda a: torch.linalg.slogdet(a).logabsdet, make(general(3, 4, 4, nc=True))),
     Case("logdet_spd", "LinalgSlogdetBackward0", torch.logdet, make(spd(2, 5, 5))),

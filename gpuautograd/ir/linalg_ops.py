@@ -1,5 +1,5 @@
-"""Extern ops of the linalg backward rules: the triangular, LU and Cholesky solves, and the
-permutation matrix of LAPACK's LU pivots.
+"""Extern ops of the linalg backward rules: the triangular, LU and Cholesky solves, the
+permutation matrix of LAPACK's LU pivots, and the pseudo-inverse.
 
 Each is one library call (LAPACK on the CPU, cuSOLVER / cuBLAS on CUDA) that the fused plan calls
 as it calls matmul. Everything else in the decompositions' backward formulas (products,
@@ -47,3 +47,10 @@ def _lu_permutation(LU, pivots):
     """The permutation matrix P of A = P L U, from the LAPACK pivots of LU's factorization."""
     P, _, _ = torch.lu_unpack(LU, pivots, unpack_data=False, unpack_pivots=True)
     return _row_major(P)
+
+
+@register_op("pinv", EXTERN)
+def _pinv(A):
+    """The Moore-Penrose pseudo-inverse (an SVD) with torch's default tolerances, as lstsq's
+    backward recomputes it."""
+    return _row_major(torch.linalg.pinv(A))

@@ -1,5 +1,5 @@
 """Backward rules of the linalg inverses and solves: inv, solve, solve_triangular,
-triangular_solve, cholesky_solve, det, slogdet, pinv.
+triangular_solve, cholesky_solve, det, slogdet, pinv, lstsq.
 
 The solves are extern library calls (ir/linalg_ops.py) on the factorizations the forward saved;
 the products and masks around them are mm / bmm and pointwise IR (rules/matrix.py), so they
@@ -168,16 +168,10 @@ def linalg_slogdet_backward(b, node, grads):
     return [_lu_solve(b, LU, pivots, d, left=True, adjoint=not _uses_A_T(node))]
 
 
-@register("LinalgPinvBackward0")
-def linalg_pinv_backward(b, node, grads):
-    # self: pinv_backward(grad, result, self)
+def _pinv_grad(b, grad, P, A):
+    # pinv_backward(grad, pinvA, A)
     #   m <= n: K = g^H P;  -(P K)^H + K P^H - A P K P^H + P^H P (g^H - K A)
     #   m > n:  K = P g^H;  -(K P)^H + (g^H - A K) P P^H + P^H K - P^H K P A
-    grad = grads[0]
-    if grad is None:
-        return [None]
-    P, A = node.saved("result"), node.saved("self")
-    require_real(node, A, grad)
     m, n = A.shape[-2:]
     Ph, gh = mT(b, P), mT(b, grad)
     if m <= n:
@@ -185,9 +179,51 @@ def linalg_pinv_backward(b, node, grads):
         KPh = matmul(b, K, Ph)
         out = b.sub(KPh, mT(b, matmul(b, P, K)))
         out = b.sub(out, matmul(b, matmul(b, A, P), KPh))
-        return [b.add(out, matmul(b, matmul(b, Ph, P), b.sub(gh, matmul(b, K, A))))]
+        return b.add(out, matmul(b, matmul(b, Ph, P), b.sub(gh, matmul(b, K, A))))
     K = matmul(b, P, gh)
     PhK = matmul(b, Ph, K)
     out = b.sub(matmul3(b, b.sub(gh, matmul(b, A, K)), P, Ph), mT(b, matmul(b, K, P)))
     out = b.add(out, PhK)
-    return [b.sub(out, matmul(b, matmul(b, PhK, P), A))]
+    return b.sub(out, matmul(b, matmul(b, PhK, P), A))
+
+
+@register("LinalgPinvBackward0")
+def linalg_pinv_backward(b, node, grads):
+    # self: pinv_backward(grad, result, self)
+    grad = grads[0]
+    if grad is None:
+        return [None]
+    P, A = node.saved("result"), node.saved("self")
+    require_real(node, A, grad)
+    return [_pinv_grad(b, grad, P, A)]
+
+
+@register("LinalgLstsqBackward0")
+def linalg_lstsq_backward(b, node, grads):
+    # self, b: linalg_lstsq_backward(grads[0], grads[1], self, b, solution, grad_input_mask)
+    #   from X: pinvA = pinv(A);  gA = pinv_backward(gX B^H, pinvA, A);  gB = pinvA^H gX
+    #   from the residuals L: r = A X - B;  gA += 2 (gL r) X^H;  gB += -2 gL r
+    gX, gL = grads[0], grads[1]
+    if gL is not None and gL.type.numel() == 0:
+        gL = None  # residuals that were not computed (an empty tensor) carry no gradient
+    if gX is None and gL is None:
+        return [None, None]
+    A, B, X = node.saved("self"), node.saved("b"), node.saved("solution")
+    require_real(node, A, B)
+    vector = _is_vector_rhs(A, B)
+    if vector:
+        B, X = b.unsqueeze(B, -1), b.unsqueeze(X, -1)
+        gX = None if gX is None else b.unsqueeze(gX, -1)
+    gA = gB = None
+    if gX is not None:
+        pinvA = b.emit("pinv", A)
+        gA = _pinv_grad(b, matmul(b, gX, mT(b, B)), pinvA, A) if node.needs(0) else None
+        gB = matmul(b, mT(b, pinvA), gX) if node.needs(1) else None
+    if gL is not None:
+        r = b.sub(matmul(b, A, X), B)
+        gLr = b.mul(b.unsqueeze(gL, -2), r)
+        gA = add_maybe(b, gA, b.mul(matmul(b, gLr, mT(b, X)), 2)) if node.needs(0) else None
+        gB = add_maybe(b, gB, b.mul(gLr, -2)) if node.needs(1) else None
+    if vector and gB is not None:
+        gB = b.squeeze(gB, -1)
+    return [gA, gB]

@@ -181,6 +181,14 @@ CASES += [
     Case("pinv_tall", "LinalgPinvBackward0", torch.linalg.pinv, make(spectral(7, 4))),
     Case("pinv_wide_nc", "LinalgPinvBackward0", torch.linalg.pinv, make(spectral(2, 4, 7, nc=True))),
     Case("pinv_square", "LinalgPinvBackward0", torch.linalg.pinv, make(spectral(5, 5))),
+    Case("lstsq_tall", "LinalgLstsqBackward0", lambda a, x: torch.linalg.lstsq(a, x).solution, make(spectral(7, 4), randn(7, 3))),
+    Case("lstsq_vector_batched", "LinalgLstsqBackward0", lambda a, x: torch.linalg.lstsq(a, x).solution, make(spectral(2, 6, 4), randn(2, 6))),
+    Case(
+        "lstsq_residuals_gelsd",
+        "LinalgLstsqBackward0",
+        lambda a, x: tuple(torch.linalg.lstsq(a, x, driver="gelsd")[:2]),
+        make(spectral(7, 4, nc=True), randn(7, 2)),
+    ),
     Case("pinv_hermitian", "LinalgPinvBackward0", lambda a: torch.linalg.pinv(a, hermitian=True), make(spectral(5, 5, symmetric=True))),
 ]
 

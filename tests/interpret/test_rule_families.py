@@ -31,6 +31,7 @@ from tests.unit import (
     test_rules_norms,
     test_rules_norms_more,
     test_rules_pointwise,
+    test_rules_pool_backward,
     test_rules_reductions,
     test_rules_shape_ops,
     test_rules_views,
@@ -228,6 +229,7 @@ FAMILIES = {
     "indexing": test_rules_indexing.CASES,
     "linalg": _linalg_cases(),
     "decompositions": test_rules_decompositions.CASES,
+    "pool_backward": test_rules_pool_backward.CASES,
     "nn": _nn_cases(),
 }
 

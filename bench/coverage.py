@@ -89,7 +89,9 @@ def _compare(ours, theirs) -> tuple[str, str]:
         if (a is None) != (e is None):
             given = a if e is None else e
             if given.count_nonzero() == 0:
-                presence = presence or f"input {k}: a zero gradient {'from gpuautograd' if e is None else 'from torch'}, none from the other"
+                presence = (
+                    presence or f"input {k}: a zero gradient {'from gpuautograd' if e is None else 'from torch'}, none from the other"
+                )
                 continue
             return f"input {k}: gradient {'missing' if a is None else 'given'} where torch gives {'one' if e is not None else 'none'}", ""
         if a is None:
@@ -191,16 +193,15 @@ def summarize(results: list[SampleResult], top: int = 15) -> dict:
         "zero_vs_none": counts["zero-vs-none"],
         "wrong": counts["wrong"],
         "errors": counts["error"],
-        "top_opaque": [
-            {"node": name, "samples": c, "ops": sorted(ops_by_node[name])[:8]} for name, c in by_node.most_common(top)
-        ],
+        "top_opaque": [{"node": name, "samples": c, "ops": sorted(ops_by_node[name])[:8]} for name, c in by_node.most_common(top)],
         "failures": [asdict(r) for r in results if r.status in ("wrong", "error", "zero-vs-none")],
     }
 
 
 def print_report(summary: dict) -> None:
     s = summary
-    print(f"OpInfo sweep, float64 on the CPU: {s['samples']} samples of {s['ops']} ops ({s['skipped']} more skipped: torch cannot differentiate them)")
+    print(f"OpInfo sweep, float64 on the CPU: {s['samples']} samples of {s['ops']} ops")
+    print(f"({s['skipped']} more skipped: torch itself cannot differentiate them)")
     print("| measure | samples | share |")
     print("|---|---|---|")
     print(f"| correct gradients | {s['correct']} | {100 * s['correct_share']:.1f}% |")

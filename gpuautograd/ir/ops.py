@@ -385,6 +385,6 @@ def _opaque(node, *grads, present, out_types, python_positions):
     return tuple(out)
 
 
-# Library-call ops of the nn family live in their own module but in this one table.
-from . import extern_ops  # noqa: E402,F401
-from . import linalg_ops  # noqa: E402,F401  - the solves of the linalg backward rules
+# Library-call ops of the nn family (extern_ops) and of the linalg rules (linalg_ops) live in their
+# own modules but in this one table.
+from . import extern_ops, linalg_ops  # noqa: E402,F401

@@ -10,7 +10,7 @@ assumes what torch's does (distinct singular values / eigenvalues, full rank whe
 
 from __future__ import annotations
 
-from .matrix import add_maybe, diag_embed, diagonal, mT, matmul, require_real, set_diagonal, solve_triangular, tril, triu
+from .matrix import add_maybe, diag_embed, diagonal, matmul, mT, require_real, set_diagonal, solve_triangular, tril, triu
 from .registry import register
 
 

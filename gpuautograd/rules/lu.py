@@ -10,7 +10,7 @@ opaque, still correct.
 
 from __future__ import annotations
 
-from .matrix import add_maybe, eye_mask, mT, matmul, require_real, solve_triangular, tril, triu
+from .matrix import add_maybe, eye_mask, matmul, mT, require_real, solve_triangular, tril, triu
 from .registry import register
 
 

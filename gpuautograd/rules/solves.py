@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .matrix import add_maybe, diag_embed, diagonal, eye_mask, mT, matmul, matmul3, require_real, solve_triangular, tril, triu
+from .matrix import add_maybe, diag_embed, eye_mask, matmul, matmul3, mT, require_real, solve_triangular, tril, triu
 from .registry import register
 
 

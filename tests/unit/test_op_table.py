@@ -57,7 +57,10 @@ def zoo():
     yield "linalg_solves", solves + torch.cholesky_solve(y[:4, :2], tri).sum()
     yield "cdist", torch.cdist(x, y[:3], p=1.0).sum()
     yield "lstsq", torch.linalg.lstsq(a[:, :3], y[:4, :2]).solution.sum()
-    yield "lu_solve", torch.linalg.lu_solve(*torch.linalg.lu_factor(a + 4 * torch.eye(4, dtype=torch.float64)), y[:4, :3], adjoint=True).sum()
+    yield (
+        "lu_solve",
+        torch.linalg.lu_solve(*torch.linalg.lu_factor(a + 4 * torch.eye(4, dtype=torch.float64)), y[:4, :3], adjoint=True).sum(),
+    )
     yield "nll", F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 3, 6, 1, 1]), ignore_index=1, weight=torch.rand(7, dtype=torch.float64))
 
 

@@ -69,8 +69,6 @@ def spectral(*shape, symmetric=False, nc=False):
 
 
 def triangular(*shape, upper=False, nc=False):
-    n = shape[-1]
-
     def make(d):
         x = 0.3 * torch.randn(*shape, dtype=d)
         x = x.triu() if upper else x.tril()
@@ -182,7 +180,9 @@ CASES += [
     Case("pinv_wide_nc", "LinalgPinvBackward0", torch.linalg.pinv, make(spectral(2, 4, 7, nc=True))),
     Case("pinv_square", "LinalgPinvBackward0", torch.linalg.pinv, make(spectral(5, 5))),
     Case("lstsq_tall", "LinalgLstsqBackward0", lambda a, x: torch.linalg.lstsq(a, x).solution, make(spectral(7, 4), randn(7, 3))),
-    Case("lstsq_vector_batched", "LinalgLstsqBackward0", lambda a, x: torch.linalg.lstsq(a, x).solution, make(spectral(2, 6, 4), randn(2, 6))),
+    Case(
+        "lstsq_vector_batched", "LinalgLstsqBackward0", lambda a, x: torch.linalg.lstsq(a, x).solution, make(spectral(2, 6, 4), randn(2, 6))
+    ),
     Case(
         "lstsq_residuals_gelsd",
         "LinalgLstsqBackward0",
@@ -221,7 +221,12 @@ CASES += [
     Case("qr_R_only", "LinalgQrBackward0", lambda a: torch.linalg.qr(a).R, make(randn(6, 3))),
     Case("qr_Q_only_wide", "LinalgQrBackward0", lambda a: torch.linalg.qr(a).Q, make(randn(3, 5))),
     Case("cholesky", "LinalgCholeskyExBackward0", torch.linalg.cholesky, make(spd(7, 7))),
-    Case("cholesky_upper_batched_nc", "LinalgCholeskyExBackward0", lambda a: torch.linalg.cholesky(a, upper=True), make(spd(2, 5, 5, nc=True))),
+    Case(
+        "cholesky_upper_batched_nc",
+        "LinalgCholeskyExBackward0",
+        lambda a: torch.linalg.cholesky(a, upper=True),
+        make(spd(2, 5, 5, nc=True)),
+    ),
     Case("cholesky_ex", "LinalgCholeskyExBackward0", lambda a: torch.linalg.cholesky_ex(a).L, make(spd(3, 4, 4))),
     Case("cholesky_legacy_upper", "CholeskyBackward0", lambda a: torch.cholesky(a, upper=True), make(spd(5, 5))),
 ]

@@ -17,7 +17,9 @@ aten = torch.ops.aten
 def _pool2d_backward(kernel, stride, padding, dilation, ceil_mode):
     def fn(grad_output, x):
         _, indices = F.max_pool2d(x.detach(), kernel, stride, padding, dilation, ceil_mode, return_indices=True)
-        return aten.max_pool2d_with_indices_backward(grad_output, x, [kernel] * 2, [stride] * 2, [padding] * 2, [dilation] * 2, ceil_mode, indices)
+        return aten.max_pool2d_with_indices_backward(
+            grad_output, x, [kernel] * 2, [stride] * 2, [padding] * 2, [dilation] * 2, ceil_mode, indices
+        )
 
     return fn
 
@@ -84,5 +86,10 @@ def _double_backward(g, x):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_double_backward_of_max_pool(dtype):
     # the gradient of x's gradient with respect to the incoming gradient g (and x): a second backward
-    case = Case("double", "MaxPool2DWithIndicesBackwardBackward0", _double_backward, lambda d: [rand(2, 3, 4, 7, dtype=d), rand(2, 3, 7, 13, dtype=d)])
+    case = Case(
+        "double",
+        "MaxPool2DWithIndicesBackwardBackward0",
+        _double_backward,
+        lambda d: [rand(2, 3, 4, 7, dtype=d), rand(2, 3, 7, 13, dtype=d)],
+    )
     check_case(case, dtype)

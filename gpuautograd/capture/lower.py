@@ -108,7 +108,7 @@ def lower(w: Walk, req: Request) -> Program:
         rule = lookup(info.name) if info.kind == CPP else None
         if rule is not None:
             saved = _saved_values(b, w, i, w.saved_start[i])
-            view = NodeView(info.name, saved, [_meta_type(m) for m in metas[i]], out_types, needs)
+            view = NodeView(info.name, saved, [_meta_type(m) for m in metas[i]], out_types, needs, _saved_layouts(w, i))
             try:
                 outs = list(rule(b, view, grads))
             except NotImplementedError as e:
@@ -142,6 +142,12 @@ def lower(w: Walk, req: Request) -> Program:
     b.program.executed = [i for i in order if executes[i]]
     b.program.declined = declined
     return b.program
+
+
+def _saved_layouts(w: Walk, i: int) -> dict[str, bool]:
+    """Whether each saved tensor of node i is contiguous (the key holds their strides)."""
+    saved = read_saved(w.nodes[i], w.classes[i])
+    return {name: v.is_contiguous() for name, v in saved.items() if isinstance(v, torch.Tensor)}
 
 
 def _saved_values(b: Builder, w: Walk, i: int, base: int) -> dict:

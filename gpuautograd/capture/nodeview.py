@@ -22,12 +22,15 @@ def as_signed(value: Any) -> Any:
 
 
 class NodeView:
-    def __init__(self, name: str, saved: dict[str, Any], input_types: list, output_types: list, needs: list[bool]) -> None:
+    def __init__(
+        self, name: str, saved: dict[str, Any], input_types: list, output_types: list, needs: list[bool], contiguous: dict | None = None
+    ) -> None:
         self.name = name
         self._saved = saved  # attribute name without "_saved_" -> Value, list of Values or constant
         self.input_types = input_types  # TensorType per forward output (gradient flowing in)
         self.output_types = output_types  # TensorType or None per edge (what the next node expects)
         self._needs = needs
+        self._contiguous = contiguous or {}  # saved tensor name -> whether it was contiguous at capture
 
     def saved(self, name: str) -> Any:
         """The saved value `name` (as in `grad_fn._saved_<name>`): a Value for a tensor, a list of
@@ -36,6 +39,15 @@ class NodeView:
             return self._saved[name]
         except KeyError:
             raise KeyError(f"{self.name} has no saved value {name!r}; it has {sorted(self._saved)}") from None
+
+    def saved_is_contiguous(self, name: str) -> bool:
+        """Whether the saved tensor `name` is contiguous. The cache key holds every saved tensor's
+        strides, so a program that depends on this is only reused for the same layout (torch's
+        linalg_solve factors A^T instead of A when A is contiguous, for one)."""
+        try:
+            return self._contiguous[name]
+        except KeyError:
+            raise KeyError(f"{self.name}: no layout recorded for saved tensor {name!r}") from None
 
     def has_saved(self, name: str) -> bool:
         return name in self._saved

@@ -387,6 +387,6 @@ def _opaque(node, *grads, present, out_types, python_positions):
     return tuple(out)
 
 
-# Library-call ops of the nn family and the composite backward kernels live in their own modules
-# but in this one table.
-from . import composite_ops, extern_ops  # noqa: E402,F401
+# Library-call ops of the nn family (extern_ops) and of the linalg rules (linalg_ops), and the
+# composite backward kernels (composite_ops), live in their own modules but in this one table.
+from . import composite_ops, extern_ops, linalg_ops  # noqa: E402,F401

@@ -2,15 +2,18 @@
 
 from . import (  # noqa: F401 - each family module registers its rules on import
     activations,
+    decompositions,
     indexing,
     linalg,
     losses,
+    lu,
     math,
     nn,
     norms,
     pointwise,
     reductions,
     shape_ops,
+    solves,
     views,
 )
 from .registry import RULES, lookup, register

@@ -1,5 +1,5 @@
 """Backward rules of matrix and vector products: mm, addmm, bmm, baddbmm, addbmm, mv, addmv,
-addr, dot, vdot.
+addr, dot, vdot; and cdist (one aten kernel per side).
 
 Real dtypes only: the formulas in derivatives.yaml conjugate the other factor, which is the
 identity for real tensors. A complex product is refused with a clear error rather than given a
@@ -168,3 +168,16 @@ def dot_backward(b, node, grads):
     grad_self = b.mul(grad, node.saved(other)) if node.needs(0) else None
     grad_other = b.mul(grad, node.saved("self")) if node.needs(1) else None
     return [grad_self, grad_other]
+
+
+@register("CdistBackward0")
+def cdist_backward(b, node, grads):
+    # x1: _cdist_backward(grad.contiguous(), x1, x2, p, result);  x2: _cdist_backward(grad.mT().contiguous(), x2, x1, p, result.mT().contiguous())
+    (grad,) = grads
+    if grad is None:
+        return [None, None]
+    x1, x2, result, p = node.saved("x1"), node.saved("x2"), node.saved("result"), node.saved("p")
+    _real(node, grad)
+    g1 = b.emit("cdist_backward", grad, x1, x2, result, p=p) if node.needs(0) else None
+    g2 = b.emit("cdist_backward", _mT(b, grad), x2, x1, _mT(b, result), p=p) if node.needs(1) else None
+    return [g1, g2]

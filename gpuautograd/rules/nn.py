@@ -123,6 +123,27 @@ register("MaxPool2DWithIndicesBackward0", "AdaptiveMaxPool2DBackward0")(_max_poo
 register("MaxPool3DWithIndicesBackward0", "AdaptiveMaxPool3DBackward0")(_max_pool_rule(3))
 
 
+def _max_pool_backward_rule(spatial: int):
+    def rule(b, node, grads):
+        # grad_output: max_pool_double_backward(grad, indices, {2,3}) = gather grad at the argmax;  self: zeros_like(self)
+        grad, indices = grads[0], node.saved("indices")
+        grad_output = None
+        if grad is not None and node.needs(0):
+            lead = indices.shape[: indices.ndim - spatial]
+            picked = b.gather(b.reshape(grad, lead + (-1,)), -1, b.reshape(indices, lead + (-1,)))
+            grad_output = b.reshape(picked, indices.shape)
+        # torch's formula gives self a materialized zero gradient (its .grad becomes zeros, not None)
+        self_grad = b.zeros(node.output_type(1)) if grad is not None and node.needs(1) else None
+        return [grad_output, self_grad]
+
+    return rule
+
+
+# the backward of max pooling used as a forward op (double backward): a gather of the gradient
+register("MaxPool2DWithIndicesBackwardBackward0")(_max_pool_backward_rule(2))
+register("MaxPool3DWithIndicesBackwardBackward0")(_max_pool_backward_rule(3))
+
+
 @register("AvgPool2DBackward0")
 def avg_pool2d_backward(b, node, grads):
     # self: avg_pool2d_backward(grad, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)

@@ -23,6 +23,7 @@ from tests.helpers import DTYPES, Case, assert_close, check_grads, graph_node_na
 from tests.helpers import same_grads_as_torch as helpers_same_grads_as_torch
 from tests.unit import (
     test_rules_activations,
+    test_rules_decompositions,
     test_rules_indexing,
     test_rules_losses,
     test_rules_math,
@@ -30,6 +31,7 @@ from tests.unit import (
     test_rules_norms,
     test_rules_norms_more,
     test_rules_pointwise,
+    test_rules_pool_backward,
     test_rules_reductions,
     test_rules_shape_ops,
     test_rules_views,
@@ -226,6 +228,8 @@ FAMILIES = {
     "shape_ops": test_rules_shape_ops.CASES + test_rules_shape_ops.UPSAMPLE_CASES,
     "indexing": test_rules_indexing.CASES,
     "linalg": _linalg_cases(),
+    "decompositions": test_rules_decompositions.CASES,
+    "pool_backward": test_rules_pool_backward.CASES,
     "nn": _nn_cases(),
 }
 

@@ -54,6 +54,15 @@ def zoo():
     yield "scans", x.cumsum(1).cosh().sum() + (x.sigmoid() - 0.5).erfinv().sum() + x.prod(1).sum()
     yield "group_norm", F.group_norm(_leaf(2, 6, 5), 3, _leaf(6), _leaf(6)).pow(2).sum()
     yield "mse", F.mse_loss(x, y) + F.mse_loss(x.exp(), y.detach(), reduction="sum") + F.threshold(x, 0.1, 2.0).sum()
+    a, tri = _leaf(4, 4), torch.randn(3, 4, 4, dtype=torch.float64).tril().add(4 * torch.eye(4, dtype=torch.float64)).requires_grad_()
+    solves = torch.linalg.det(a + 4 * torch.eye(4, dtype=torch.float64)) + torch.linalg.solve_triangular(tri, y[:4, :3], upper=False).sum()
+    yield "linalg_solves", solves + torch.cholesky_solve(y[:4, :2], tri).sum()
+    yield "cdist", torch.cdist(x, y[:3], p=1.0).sum()
+    yield "lstsq", torch.linalg.lstsq(a[:, :3], y[:4, :2]).solution.sum()
+    yield (
+        "lu_solve",
+        torch.linalg.lu_solve(*torch.linalg.lu_factor(a + 4 * torch.eye(4, dtype=torch.float64)), y[:4, :3], adjoint=True).sum(),
+    )
     yield "nll", F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 3, 6, 1, 1]), ignore_index=1, weight=torch.rand(7, dtype=torch.float64))
 
 

@@ -10,7 +10,11 @@ from . import (  # noqa: F401 - each family module registers its rules on import
     norms,
     pointwise,
     reductions,
+    scans,
+    scatter_reduce,
+    sequence,
     shape_ops,
+    special,
     views,
 )
 from .registry import RULES, lookup, register

@@ -9,7 +9,11 @@ Both are computed the way Cephes and torch's CPU kernels compute them, from thre
   psi^(n)(y) ~ (-1)^(n+1) [(n-1)!/y^n + n!/(2 y^(n+1)) + sum_k B_2k (2k+n-1)! / ((2k)! y^(2k+n))],
   whose first omitted term is below 1e-15 of the result for y >= 10 + n and n <= 10.
 The order n is an attribute, so the polynomial and the series coefficients are Python constants.
-As in torch, digamma is NaN at the negative integers and -inf at 0.
+As in torch, digamma is NaN at the negative integers and -inf at +0; polygamma(n >= 2) is
+(-1)^(n+1) inf at the poles 0, -1, -2, .... Trigamma is +inf there, where torch's sin(pi x) gives a
+huge finite value at the negative integers. Away from the poles these agree with torch within
+float64's test tolerance; torch's own trigamma (three series terms from x >= 6) is accurate to
+about 1e-9 in float64, this one to about 1e-15.
 """
 
 from __future__ import annotations
@@ -72,6 +76,16 @@ def _series(em, y, n: int) -> str:
     return em.tmp(f"{sign} * {lead} * ({body} + {float(math.factorial(n)) / 2} * {inv})")
 
 
+def _cot_pi(em, r: str) -> str:
+    """cot(pi r) for r in [-1/2, 1/2], accurate where it is small too: for |r| > 1/4 it is
+    sign(r) tan(pi (1/2 - |r|)), whose argument is exact (cos(pi r) near pi/2 would not be)."""
+    s = em.tmp(f"0.5 - tl.abs({r})")
+    far = em.tmp(f"{s} < 0.25")
+    pir, pis = em.tmp(f"{math.pi} * {r}"), em.tmp(f"{math.pi} * {s}")
+    ratio = em.tmp(f"tl.where({far}, tl.sin({pis}) / tl.cos({pis}), tl.cos({pir}) / tl.sin({pir}))")
+    return em.tmp(f"tl.where({far} & ({r} < 0.0), -{ratio}, {ratio})")
+
+
 def polygamma_source(em, x: str, n: int) -> str:
     """The expression of psi^(n)(x), emitting its temporaries through `em`."""
     reflect = em.tmp(f"{x} < 0.5")
@@ -84,14 +98,17 @@ def polygamma_source(em, x: str, n: int) -> str:
         terms.append(em.tmp(f"tl.where({low}, {step} * {_power(em, inv, n + 1)}, 0.0)"))
         y = em.tmp(f"tl.where({low}, {y} + 1.0, {y})")
     value = em.tmp(" + ".join([_series(em, y, n)] + terms))
-    pix = em.tmp(f"{math.pi} * {x}")
-    cot = em.tmp(f"tl.cos({pix}) / tl.sin({pix})")
+    # cot has period 1: reduce to r = x - round(x), exact, so that near a pole x = -k the
+    # small sin(pi r) keeps its precision (sin(pi x) itself would cancel)
+    cot = _cot_pi(em, em.tmp(f"{x} - tl.floor({x} + 0.5)"))
     poly = _horner(em, cot_derivative_poly(n), cot)
     reflected = em.tmp(f"{(-1.0) ** n} * {value} - {math.pi ** (n + 1)} * {poly}")
     out = f"tl.where({reflect}, {reflected}, {value})"
-    if n == 0:  # torch: NaN at the negative integers (the reflection gives a huge finite value)
-        out = f'tl.where(({x} < 0.0) & ({x} == tl.floor({x})), float("nan"), {out})'
-    return out
+    pole = f"({x} <= 0.0) & ({x} == tl.floor({x}))"
+    if n == 0:  # as torch: -inf at +0, +inf at -0 (the reflection gives those), NaN at the negative integers
+        return f'tl.where(({x} < 0.0) & ({x} == tl.floor({x})), float("nan"), {out})'
+    # the poles of psi^(n) at 0, -1, ...: torch's zeta gives (-1)^(n+1) inf; for n = 1, +inf
+    return f'tl.where({pole}, {"" if n % 2 or n == 1 else "-"}float("inf"), {out})'
 
 
 SPECIAL_LOWERINGS = {

@@ -30,11 +30,16 @@ def _bag_weight_infer(ts, attrs):
 
 
 @register_op("embedding_bag_backward", EXTERN, _bag_weight_infer)
-def _embedding_bag_backward(grad, indices, offset2bag, bag_size, maximum_indices, *weights, present, num_weights, scale_grad_by_freq, mode, padding_idx):
-    """The dense weight gradient; `weights` holds the per-sample weights when present."""
+def _embedding_bag_backward(
+    grad, indices, offsets, offset2bag, bag_size, maximum_indices, *weights, present, num_weights, scale_grad_by_freq, mode, padding_idx
+):
+    """The dense weight gradient; `weights` holds the per-sample weights when present. This is the
+    entry point derivatives.yaml calls, not the dense kernel: on the CPU's fast path the forward
+    leaves offset2bag empty and this one rebuilds it from the offsets."""
     (per_sample_weights,) = _fill_absent(weights, present)
-    return aten._embedding_bag_dense_backward(
-        grad, indices, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, per_sample_weights, padding_idx
+    return aten._embedding_bag_backward(
+        grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, False, per_sample_weights,
+        padding_idx
     )
 
 

@@ -108,10 +108,10 @@ def amax_backward(b, node, grads):
     return [b.mul(b.div(g, count), mask)]
 
 
-@register("TopkBackward0", "SortBackward0")
+@register("TopkBackward0", "SortBackward0", "SortBackward1")
 def selected_values_backward(b, node, grads):
     # self: value_selecting_reduction_backward_symint(grad, dim, indices, self.sym_sizes(), true)
-    #       = zeros(sizes).scatter(dim, indices, grad): indices keep the reduced dim
+    #       (sort.stable too) = zeros(sizes).scatter(dim, indices, grad): indices keep the reduced dim
     g = grads[0]  # grads[1] belongs to the integer indices output and is always None
     if g is None:
         return [None]

@@ -28,7 +28,7 @@ def embedding_bag_backward(b, node, grads):
     indices, offset2bag = node.saved("indices"), node.saved("result1")
     weight_grad = None
     if node.needs(0):
-        fixed = [grad, indices, offset2bag, node.saved("result2"), node.saved("result3")]
+        fixed = [grad, indices, node.saved("offsets"), offset2bag, node.saved("result2"), node.saved("result3")]
         weight_grad = emit_optional(
             b,
             "embedding_bag_backward",

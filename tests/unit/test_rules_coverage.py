@@ -74,7 +74,10 @@ SCANS = [
         lambda d: (with_zeros(5, 7, dtype=d, at=((1, 3),)),),
         NO_HALF,
     ),
-    Case("logcumsumexp_last", "LogcumsumexpBackward0", lambda x: x.logcumsumexp(-1), make(leaf(33, 65, nc=True))),
+    # in bfloat16 the formula's two rounded exp terms cancel: along 65 elements both torch and the
+    # fused kernels land up to 0.15 from the float64 truth, so this long scan is checked in f64 / f32
+    Case("logcumsumexp_last", "LogcumsumexpBackward0", lambda x: x.logcumsumexp(-1), make(leaf(33, 65, nc=True)), NO_HALF),
+    Case("logcumsumexp_short_bf16", "LogcumsumexpBackward0", lambda x: x.logcumsumexp(-1), make(leaf(5, 9, nc=True))),
     Case("logcumsumexp_dim0", "LogcumsumexpBackward0", lambda x: x.logcumsumexp(0) * 3, make(leaf(7, 3, 5))),
     Case("logcumsumexp_0d", "LogcumsumexpBackward0", lambda x: x.logcumsumexp(0), make(leaf())),
     Case("cummax_last", "CummaxBackward0", lambda x: x.cummax(-1)[0], make(leaf(7, 13, nc=True))),

@@ -24,7 +24,7 @@ from fractions import Fraction
 
 SHIFT_TO = 6.0
 # B_2, B_4, ..., B_16
-BERNOULLI = [Fraction(1, 6), Fraction(-1, 30), Fraction(1, 42), Fraction(-1, 30), Fraction(5, 66), Fraction(-691, 2730), Fraction(7, 6), Fraction(-3617, 510)]
+BERNOULLI = [Fraction(n, d) for n, d in ((1, 6), (-1, 30), (1, 42), (-1, 30), (5, 66), (-691, 2730), (7, 6), (-3617, 510))]
 
 
 def cot_derivative_poly(n: int) -> list[int]:

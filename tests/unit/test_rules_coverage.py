@@ -57,7 +57,12 @@ SELECTION = [
 # -- scans: cumprod, logcumsumexp, cummax, cummin ----------------------------------------------
 
 SCANS = [
-    Case("cumprod_last_nc", "CumprodBackward0", lambda x: x.cumprod(-1), lambda d: (positive(7, 13, dtype=d, low=0.6, noncontiguous=True),)),
+    Case(
+        "cumprod_last_nc",
+        "CumprodBackward0",
+        lambda x: x.cumprod(-1),
+        lambda d: (positive(7, 13, dtype=d, low=0.6, noncontiguous=True),),
+    ),
     Case("cumprod_dim0_3d", "CumprodBackward0", lambda x: x.cumprod(0), lambda d: (with_zeros(5, 3, 7, dtype=d),)),
     Case(
         "cumprod_zeros",
@@ -91,12 +96,29 @@ SPECIAL = [
     Case("lgamma_positive_nc", "LgammaBackward0", torch.lgamma, lambda d: (positive(33, 65, dtype=d, low=0.2, noncontiguous=True),)),
     Case("lgamma_negative", "LgammaBackward0", torch.lgamma, lambda d: (away_from_poles(7, 13, dtype=d),), NO_HALF),
     Case("digamma_positive", "DigammaBackward0", torch.digamma, lambda d: (positive(7, 13, dtype=d, low=0.3),)),
-    Case("digamma_negative_nc", "DigammaBackward0", torch.digamma, lambda d: (away_from_poles(7, 13, dtype=d, noncontiguous=True),), NO_HALF),
+    Case(
+        "digamma_negative_nc",
+        "DigammaBackward0",
+        torch.digamma,
+        lambda d: (away_from_poles(7, 13, dtype=d, noncontiguous=True),),
+        NO_HALF,
+    ),
     Case("polygamma1", "PolygammaBackward0", lambda x: torch.polygamma(1, x), lambda d: (positive(7, 13, dtype=d, low=0.5),)),
-    Case("polygamma2_negative", "PolygammaBackward0", lambda x: torch.polygamma(2, x), lambda d: (away_from_poles(7, 13, dtype=d),), NO_HALF),
+    Case(
+        "polygamma2_negative",
+        "PolygammaBackward0",
+        lambda x: torch.polygamma(2, x),
+        lambda d: (away_from_poles(7, 13, dtype=d),),
+        NO_HALF,
+    ),
     Case("polygamma4", "PolygammaBackward0", lambda x: torch.polygamma(4, x), lambda d: (positive(5, 9, dtype=d, low=1.0),), NO_HALF),
     Case("mvlgamma_p1", "MvlgammaBackward0", lambda x: torch.mvlgamma(x, 1), lambda d: (positive(7, 13, dtype=d, low=0.5),)),
-    Case("mvlgamma_p3_nc", "MvlgammaBackward0", lambda x: torch.mvlgamma(x, 3), lambda d: (positive(7, 13, dtype=d, low=1.5, noncontiguous=True),)),
+    Case(
+        "mvlgamma_p3_nc",
+        "MvlgammaBackward0",
+        lambda x: torch.mvlgamma(x, 3),
+        lambda d: (positive(7, 13, dtype=d, low=1.5, noncontiguous=True),),
+    ),
     Case(
         "gamma_log_prob",
         "LgammaBackward0",
@@ -114,16 +136,32 @@ def _scatter_reduce_cases():
         for include_self in (True, False):
             tag = f"{reduce}_{'incl' if include_self else 'excl'}"
             fn = lambda x, i, s, r=reduce, inc=include_self: x.scatter_reduce(0, i, s, r, include_self=inc)  # noqa: E731
-            cases.append(Case(f"scatter_reduce_{tag}", "ScatterReduceBackward0", fn, make(leaf(5, 7), fixed(rand_index(5, 9, 7)), leaf(9, 7))))
+            cases.append(
+                Case(
+                    f"scatter_reduce_{tag}",
+                    "ScatterReduceBackward0",
+                    fn,
+                    make(leaf(5, 7), fixed(rand_index(5, 9, 7)), leaf(9, 7)),
+                )
+            )
             fn1 = lambda x, i, s, r=reduce, inc=include_self: x.scatter_reduce(-1, i, s, r, include_self=inc)  # noqa: E731
             cases.append(
-                Case(f"scatter_reduce_{tag}_last_nc", "ScatterReduceBackward0", fn1, make(leaf(3, 7, nc=True), fixed(rand_index(7, 3, 11)), leaf(3, 11)))
+                Case(
+                    f"scatter_reduce_{tag}_last_nc",
+                    "ScatterReduceBackward0",
+                    fn1,
+                    make(leaf(3, 7, nc=True), fixed(rand_index(7, 3, 11)), leaf(3, 11)),
+                )
             )
     ties = lambda d: (integers(4, 5, dtype=d), rand_index(4, 8, 5, seed=2), integers(8, 5, dtype=d))  # noqa: E731
     for reduce in ("amax", "amin"):
         fn = lambda x, i, s, r=reduce: x.scatter_reduce(0, i, s, r)  # noqa: E731
         cases.append(Case(f"scatter_reduce_{reduce}_ties", "ScatterReduceBackward0", fn, ties))
-    zeros = lambda d: (with_zeros(4, 5, dtype=d, at=((0, 1),)), rand_index(4, 8, 5, seed=3), with_zeros(8, 5, dtype=d, at=((1, 1), (2, 2), (5, 2))))  # noqa: E731
+    zeros = lambda d: (  # noqa: E731
+        with_zeros(4, 5, dtype=d, at=((0, 1),)),
+        rand_index(4, 8, 5, seed=3),
+        with_zeros(8, 5, dtype=d, at=((1, 1), (2, 2), (5, 2))),
+    )
     for include_self in (True, False):
         fn = lambda x, i, s, inc=include_self: x.scatter_reduce(0, i, s, "prod", include_self=inc)  # noqa: E731
         cases.append(Case(f"scatter_reduce_prod_zeros_{include_self}", "ScatterReduceBackward0", fn, zeros))
@@ -138,10 +176,19 @@ def _index_reduce_cases():
             tag = f"{reduce}_{'incl' if include_self else 'excl'}"
             fn = lambda x, i, s, r=reduce, inc=include_self: x.index_reduce(1, i, s, r, include_self=inc)  # noqa: E731
             cases.append(Case(f"index_reduce_{tag}", "IndexReduceBackward0", fn, make(leaf(3, 5, 7), fixed(index), leaf(3, 6, 7))))
-    zeros = lambda d: (with_zeros(5, 3, dtype=d, at=((4, 1),)), idx(4, 1, 4, 0), with_zeros(4, 3, dtype=d, at=((0, 1), (2, 2))))  # noqa: E731
+    zeros = lambda d: (  # noqa: E731
+        with_zeros(5, 3, dtype=d, at=((4, 1),)),
+        idx(4, 1, 4, 0),
+        with_zeros(4, 3, dtype=d, at=((0, 1), (2, 2))),
+    )
     cases.append(Case("index_reduce_prod_zeros", "IndexReduceBackward0", lambda x, i, s: x.index_reduce(0, i, s, "prod"), zeros))
     cases.append(
-        Case("index_reduce_mean_nc", "IndexReduceBackward0", lambda x, i, s: x.index_reduce(0, i, s, "mean"), make(leaf(7, 5, nc=True), fixed(idx(6, 6, 0)), leaf(3, 5, nc=True)))
+        Case(
+            "index_reduce_mean_nc",
+            "IndexReduceBackward0",
+            lambda x, i, s: x.index_reduce(0, i, s, "mean"),
+            make(leaf(7, 5, nc=True), fixed(idx(6, 6, 0)), leaf(3, 5, nc=True)),
+        )
     )
     return cases
 
@@ -195,8 +242,18 @@ LAYERS = [
     Case("max_unpool2d", "MaxUnpool2DBackward0", lambda o, i: F.max_unpool2d(o, i, 2, output_size=(6, 7)), lambda d: _pooled(2, d)),
     Case("max_unpool3d", "MaxUnpool3DBackward0", lambda o, i: F.max_unpool3d(o, i, 2, output_size=(4, 5, 6)), lambda d: _pooled(3, d)),
     Case("cross_last", "LinalgCrossBackward0", torch.linalg.cross, make(leaf(7, 3), leaf(7, 3))),
-    Case("cross_broadcast_dim0", "LinalgCrossBackward0", lambda a, b: torch.linalg.cross(a, b, dim=0), make(leaf(3, 1, 5), leaf(3, 7, 5, nc=True))),
-    Case("cross_one_side", "LinalgCrossBackward0", lambda a, b: torch.linalg.cross(a, b), make(leaf(2, 5, 3), lambda d: torch.randn(1, 5, 3, dtype=d))),
+    Case(
+        "cross_broadcast_dim0",
+        "LinalgCrossBackward0",
+        lambda a, b: torch.linalg.cross(a, b, dim=0),
+        make(leaf(3, 1, 5), leaf(3, 7, 5, nc=True)),
+    ),
+    Case(
+        "cross_one_side",
+        "LinalgCrossBackward0",
+        lambda a, b: torch.linalg.cross(a, b),
+        make(leaf(2, 5, 3), lambda d: torch.randn(1, 5, 3, dtype=d)),
+    ),
 ]
 
 # -- recurrent layers ----------------------------------------------------------------------------
@@ -228,14 +285,31 @@ RECURRENT = [
     Case("gru_2_layers", "UnsafeSplitBackward0", _run, _recurrent(nn.GRU, num_layers=2), NO_HALF),
     Case("gru_cell", "UnsafeSplitBackward0", _run, _recurrent(nn.GRUCell), NO_HALF),
     Case("lstm_cell", "UnsafeSplitBackward0", _run, _recurrent(nn.LSTMCell), NO_HALF),
-    Case("lstm_bidirectional_float64", "UnsafeSplitBackward0", _run, _recurrent(nn.LSTM, num_layers=2, bidirectional=True), (torch.float64,)),
-    Case("lstm_bidirectional_onednn", "MkldnnRnnLayerBackward0", _run, _recurrent(nn.LSTM, num_layers=2, bidirectional=True), (torch.float32,)),
+    Case(
+        "lstm_bidirectional_float64",
+        "UnsafeSplitBackward0",
+        _run,
+        _recurrent(nn.LSTM, num_layers=2, bidirectional=True),
+        (torch.float64,),
+    ),
+    Case(
+        "lstm_bidirectional_onednn",
+        "MkldnnRnnLayerBackward0",
+        _run,
+        _recurrent(nn.LSTM, num_layers=2, bidirectional=True),
+        (torch.float32,),
+    ),
     Case("lstm_batch_first_onednn", "MkldnnRnnLayerBackward0", _run, _recurrent(nn.LSTM, batch_first=True), (torch.float32,)),
     Case("rnn_tanh", "TanhBackward0", _run, _recurrent(nn.RNN, num_layers=2), NO_HALF),
     Case("rnn_relu_cell", "ReluBackward0", _run, _recurrent(nn.RNNCell, nonlinearity="relu"), NO_HALF),
     Case("unsafe_chunk", "UnsafeSplitBackward0", lambda x: x.unsafe_chunk(3, 1)[1] * 2, make(leaf(5, 9, nc=True))),
     Case("unsafe_split_uneven", "UnsafeSplitBackward0", lambda x: x.unsafe_split(4, 0), make(leaf(11, 3))),
-    Case("unsafe_split_with_sizes", "UnsafeSplitWithSizesBackward0", lambda x: x.unsafe_split_with_sizes([2, 5, 6], -1)[::2], make(leaf(3, 13))),
+    Case(
+        "unsafe_split_with_sizes",
+        "UnsafeSplitWithSizesBackward0",
+        lambda x: x.unsafe_split_with_sizes([2, 5, 6], -1)[::2],
+        make(leaf(3, 13)),
+    ),
 ]
 
 ALL = SELECTION + SCANS + SPECIAL + SCATTER_REDUCE + LAYERS + RECURRENT

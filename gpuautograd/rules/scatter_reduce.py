@@ -87,21 +87,26 @@ def _sum(ix, b, g, x, src, result, include_self):
 FORMULAS = {"sum": _sum, "prod": _prod, "mean": _mean, "amax": _amax_amin, "amin": _amax_amin}
 
 
+def _lift(b, v):
+    """A 0-dim value as one element along dim 0: torch indexes a 0-dim self like a 1-element one."""
+    return b.reshape(v, (1,)) if v.ndim == 0 else v
+
+
 def _reduce_backward(b, node, grads, op: str, src_name: str):
-    g = grads[0]
-    x, src = node.saved("self"), node.saved(src_name)
-    if x.ndim == 0 or src.ndim == 0:
-        raise NotImplementedError(f"{op} of a 0-dim tensor")
+    x, src, index = node.saved("self"), node.saved(src_name), node.saved("index")
     reduce, include_self = node.saved("reduce"), node.saved("include_self")
     if reduce not in FORMULAS:
         raise NotImplementedError(f"{op} reduce={reduce!r}")
-    if op == "scatter_reduce" and node.saved("index").shape != src.shape:
+    if op == "scatter_reduce" and index.shape != src.shape:
         # torch's formula gathers the gradient at the index's shape, which is not src's
-        raise NotImplementedError(f"scatter_reduce with an index of shape {node.saved('index').shape} smaller than src {src.shape}")
-    ix = Indexing(b, op, norm_dim(node.saved("dim"), x.ndim), node.saved("index"))
-    grad_self, grad_src = FORMULAS[reduce](ix, b, g, x, src, node.saved("result"), include_self)
+        raise NotImplementedError(f"scatter_reduce with an index of shape {index.shape} smaller than src {src.shape}")
+    shapes = (x.shape, src.shape)
+    g, x, src, index, result = (_lift(b, v) for v in (grads[0], x, src, index, node.saved("result")))
+    ix = Indexing(b, op, norm_dim(node.saved("dim"), x.ndim), index)
+    grad_self, grad_src = FORMULAS[reduce](ix, b, g, x, src, result, include_self)
     if not include_self:
         grad_self = ix.zero_written(grad_self, src.type)
+    grad_self, grad_src = b.reshape(grad_self, shapes[0]), b.reshape(grad_src, shapes[1])
     return [grad_self if node.needs(0) else None, grad_src if node.needs(1) else None]
 
 

@@ -193,7 +193,22 @@ def _index_reduce_cases():
     return cases
 
 
-SCATTER_REDUCE = _scatter_reduce_cases() + _index_reduce_cases()
+ZERO_DIM_REDUCING = [
+    Case(
+        "scatter_reduce_0d_prod",
+        "ScatterReduceBackward0",
+        lambda x, s: x.scatter_reduce(0, torch.tensor(0), s, "prod", include_self=True),
+        make(leaf(), leaf()),
+    ),
+    Case(
+        "index_reduce_0d_mean_excl",
+        "IndexReduceBackward0",
+        lambda x, s: x.index_reduce(0, idx(0), s, "mean", include_self=False),
+        make(leaf(), leaf()),
+    ),
+]
+
+SCATTER_REDUCE = _scatter_reduce_cases() + _index_reduce_cases() + ZERO_DIM_REDUCING
 
 # -- bags, sequences, layers -------------------------------------------------------------------
 

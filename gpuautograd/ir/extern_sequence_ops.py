@@ -73,9 +73,11 @@ def _mkldnn_rnn_layer_backward(
     input, weight1, weight2, weight3, weight4, hx, cx, output, hy, cy, workspace, *grads, present, reverse, mode, hidden_size,
     num_layers, has_biases, train, bidirectional, batch_sizes, batch_first
 ):
-    """`grads` holds the present ones of the gradients of (output, hy, cy)."""
+    """`grads` holds the present ones of the gradients of (output, hy, cy). In bfloat16 the kernel
+    returns float32 gradients; they are cast to their tensors' dtypes, as torch's engine does."""
     grad_output, grad_hy, grad_cy = _fill_absent(grads, present)
-    return aten.mkldnn_rnn_layer_backward(
+    outs = aten.mkldnn_rnn_layer_backward(
         input, weight1, weight2, weight3, weight4, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy, reverse, mode, hidden_size,
         num_layers, has_biases, train, bidirectional, list(batch_sizes), batch_first, workspace
     )
+    return tuple(g.to(t.dtype) for g, t in zip(outs, (input, weight1, weight2, weight3, weight4, hx, cx)))

@@ -314,7 +314,7 @@ RECURRENT = [
         _recurrent(nn.LSTM, num_layers=2, bidirectional=True),
         (torch.float32,),
     ),
-    Case("lstm_batch_first_onednn", "MkldnnRnnLayerBackward0", _run, _recurrent(nn.LSTM, batch_first=True), (torch.float32,)),
+    Case("lstm_batch_first_onednn", "MkldnnRnnLayerBackward0", _run, _recurrent(nn.LSTM, batch_first=True), (torch.float32, torch.bfloat16)),
     Case("rnn_tanh", "TanhBackward0", _run, _recurrent(nn.RNN, num_layers=2), NO_HALF),
     Case("rnn_relu_cell", "ReluBackward0", _run, _recurrent(nn.RNNCell, nonlinearity="relu"), NO_HALF),
     Case("unsafe_chunk", "UnsafeSplitBackward0", lambda x: x.unsafe_chunk(3, 1)[1] * 2, make(leaf(5, 9, nc=True))),

@@ -98,7 +98,8 @@ def _reduce_backward(b, node, grads, op: str, src_name: str):
     if reduce not in FORMULAS:
         raise NotImplementedError(f"{op} reduce={reduce!r}")
     if op == "scatter_reduce" and index.shape != src.shape:
-        # torch's formula gathers the gradient at the index's shape, which is not src's
+        # torch's formula gathers the gradient at the index's shape, not src's: its backward raises;
+        # the opaque node raises the same error
         raise NotImplementedError(f"scatter_reduce with an index of shape {index.shape} smaller than src {src.shape}")
     shapes = (x.shape, src.shape)
     g, x, src, index, result = (_lift(b, v) for v in (grads[0], x, src, index, node.saved("result")))

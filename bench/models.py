@@ -1,8 +1,10 @@
 """The model suite shared by the demo, the benchmarks and the end-to-end tests.
 
 Small, dependency-free definitions of the model families gpuautograd must cover: an MLP, a small
-CNN, a GPT-style block (layer norm, causal attention, GELU MLP) and a Llama-style block (RMSNorm
-written as pow/mean/rsqrt, SiLU-gated MLP). Each `make_*` returns (model, make_batch, loss_fn).
+CNN, a GPT-style block (layer norm, causal attention, GELU MLP), a Llama-style block (RMSNorm
+written as pow/mean/rsqrt, SiLU-gated MLP), a mixture-of-experts block (softmax + topk routing), an
+LSTM language model and a message-passing GNN layer (scatter_reduce and index_add). Each `make_*`
+returns (model, make_batch, loss_fn).
 """
 
 from __future__ import annotations
@@ -144,6 +146,66 @@ class LlamaBlock(nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
+class MoEBlock(nn.Module):
+    """A token-choice mixture of experts: softmax router, top-k experts per token with renormalized
+    weights, SiLU MLP experts, plus the usual load-balancing loss on the router's probabilities."""
+
+    def __init__(self, d_model=32, n_experts=4, top_k=2, hidden=48, classes=10):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(d_model, n_experts)
+        self.up = nn.ModuleList(nn.Linear(d_model, hidden) for _ in range(n_experts))
+        self.down = nn.ModuleList(nn.Linear(hidden, d_model) for _ in range(n_experts))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, x):
+        tokens = self.norm(x.flatten(0, 1))
+        probs = self.router(tokens).softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        gates = torch.zeros_like(probs).scatter(1, chosen, weights)  # (tokens, experts), k nonzero per row
+        experts = torch.stack([down(F.silu(up(tokens))) for up, down in zip(self.up, self.down)], 1)
+        mixed = tokens + (gates.unsqueeze(-1) * experts).sum(1)
+        balance = (probs.mean(0) * gates.gt(0).to(probs.dtype).mean(0)).sum() * probs.shape[-1]
+        return self.head(mixed).view(*x.shape[:2], -1), balance
+
+
+class LSTMLanguageModel(nn.Module):
+    """Embedding, a 2-layer LSTM, a linear head. On the CPU in float32 torch runs the LSTM as
+    oneDNN's fused layer; in float64 it is matmuls, gates and unsafe_chunk."""
+
+    def __init__(self, vocab=64, d_model=32, hidden=48, layers=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.lstm = nn.LSTM(d_model, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx):
+        out, _ = self.lstm(self.tok(idx))
+        return self.head(out)
+
+
+class MessagePassingLayer(nn.Module):
+    """One GNN layer over an edge list: messages from source nodes, aggregated at their targets by
+    mean (scatter_reduce) and by sum (index_add), then a node update and a classifier."""
+
+    def __init__(self, d_in=16, d_hidden=24, classes=5):
+        super().__init__()
+        self.message = nn.Linear(d_in, d_hidden)
+        self.update = nn.Linear(d_in + 2 * d_hidden, d_hidden)
+        self.head = nn.Linear(d_hidden, classes)
+
+    def forward(self, x, src, dst):
+        msg = F.relu(self.message(x[src]))
+        index = dst.unsqueeze(1).expand_as(msg)
+        base = torch.zeros(x.shape[0], msg.shape[1], dtype=msg.dtype, device=msg.device)
+        mean = base.scatter_reduce(0, index, msg, "mean", include_self=False)
+        total = base.index_add(0, dst, msg)
+        h = torch.tanh(self.update(torch.cat([x, mean, total], 1)))
+        return self.head(h)
+
+
 # ---------------------------------------------------------------------------------------------
 # Model factories: (model, make_batch(generator) -> inputs tuple, loss_fn(model, *inputs) -> loss)
 
@@ -189,10 +251,51 @@ def make_llama(dtype=torch.float32, device="cpu", batch=2, seq=32, d_model=64):
     return model, make_batch, lambda m, x: m(x).float().pow(2).mean()
 
 
+def make_moe(dtype=torch.float32, device="cpu", batch=2, seq=16, d_model=32):
+    model = MoEBlock(d_model=d_model).to(device, dtype)
+
+    def make_batch(g):
+        x = torch.randn(batch, seq, d_model, generator=g).to(device, dtype)
+        y = torch.randint(0, 10, (batch, seq), generator=g).to(device)
+        return x, y
+
+    def loss_fn(m, x, y):
+        logits, balance = m(x)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.01 * balance
+
+    return model, make_batch, loss_fn
+
+
+def make_lstm_lm(dtype=torch.float32, device="cpu", batch=2, seq=16, d_model=32):
+    model = LSTMLanguageModel(d_model=d_model).to(device, dtype)
+
+    def make_batch(g):
+        idx = torch.randint(0, 64, (batch, seq + 1), generator=g).to(device)
+        return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+    return model, make_batch, lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+
+
+def make_gnn(dtype=torch.float32, device="cpu", nodes=40, edges=160):
+    model = MessagePassingLayer().to(device, dtype)
+
+    def make_batch(g):
+        x = torch.randn(nodes, 16, generator=g).to(device, dtype)
+        src = torch.randint(0, nodes, (edges,), generator=g).to(device)
+        dst = torch.randint(0, nodes, (edges,), generator=g).to(device)
+        y = torch.randint(0, 5, (nodes,), generator=g).to(device)
+        return x, src, dst, y
+
+    return model, make_batch, lambda m, x, src, dst, y: F.cross_entropy(m(x, src, dst), y)
+
+
 SUITE = {
     "mlp": make_mlp,
     "cnn": make_cnn,
     "gpt": make_gpt,
     "gpt-manual-attn": lambda **kw: make_gpt(manual_attention=True, **kw),
     "llama": make_llama,
+    "moe": make_moe,
+    "lstm-lm": make_lstm_lm,
+    "gnn": make_gnn,
 }

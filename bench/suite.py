@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import make_cnn, make_gpt, make_llama, make_mlp
+from .models import make_cnn, make_gnn, make_gpt, make_llama, make_lstm_lm, make_mlp, make_moe
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ def bench_models(include_transformers: bool = True) -> list[BenchModel]:
             "the small GPT with attention written as matmul/masked_fill/softmax",
         ),
         BenchModel("llama", make_llama, "Llama-style block: RMSNorm, SDPA, SiLU-gated MLP; d_model 64, seq 32"),
+        BenchModel("moe", make_moe, "mixture of experts: softmax + top-2 routing over 4 SiLU experts; d_model 32, 2x16 tokens"),
+        BenchModel("lstm-lm", make_lstm_lm, "LSTM language model: embedding, 2-layer LSTM (oneDNN on the CPU), head; seq 16, batch 2"),
+        BenchModel("gnn", make_gnn, "message-passing layer: scatter_reduce mean + index_add over 160 edges of 40 nodes"),
     ]
     if include_transformers and transformers_available():
         for kind, text in (("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM"), ("bert", "BertForMaskedLM")):

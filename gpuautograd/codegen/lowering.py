@@ -132,3 +132,8 @@ LOWERINGS = {
 LIBRARY_POINTWISE = {
     "erfinv": "erfinv has no tl primitive that the interpreter runs; it stays a torch call",
 }
+
+# digamma and polygamma: reflection, recurrence and an asymptotic series (special.py says how)
+from .special import SPECIAL_LOWERINGS  # noqa: E402
+
+LOWERINGS.update(SPECIAL_LOWERINGS)

@@ -141,6 +141,7 @@ _UNARY_FLOAT = {
     "cos": torch.cos,
     "sinh": torch.sinh,  # cosh' = sinh: exp(x) - exp(-x) cancels near 0
     "erfinv": torch.erfinv,  # erfinv's backward needs erfinv(self); only self is saved
+    "digamma": torch.digamma,  # lgamma' = digamma
 }
 _UNARY_SAME = {"sign": torch.sign, "neg": torch.neg}
 
@@ -148,6 +149,12 @@ for _name, _fn in _UNARY_FLOAT.items():
     register_op(_name, POINTWISE, _pointwise_infer("float"))(_fn)
 for _name, _fn in _UNARY_SAME.items():
     register_op(_name, POINTWISE, _pointwise_infer())(_fn)
+
+
+@register_op("polygamma", POINTWISE, _pointwise_infer("float"))
+def _polygamma(x, *, n):
+    """The n-th derivative of digamma; `n` is a constant of the rule (digamma' = polygamma(1))."""
+    return torch.polygamma(n, x)
 
 _BINARY = {
     "add": lambda a, b: a + b,
@@ -230,6 +237,7 @@ def _scan(fn):
 
 register_op("cumsum", SCAN, lambda ts, a: [ts[0]])(_scan(torch.cumsum))
 register_op("cumprod", SCAN, lambda ts, a: [ts[0]])(_scan(torch.cumprod))
+register_op("logcumsumexp", SCAN, lambda ts, a: [ts[0]])(_scan(torch.logcumsumexp))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +327,16 @@ def _scatter_add(base, index, src, *, dim):
     return torch.scatter_add(base, dim, index, src)
 
 
+@register_op("scatter_reduce", INDEX, lambda ts, a: [ts[0]])
+def _scatter_reduce(base, index, src, *, dim, reduce, include_self):
+    return torch.scatter_reduce(base, dim, index, src, reduce, include_self=include_self)
+
+
+@register_op("index_reduce", INDEX, lambda ts, a: [ts[0]])
+def _index_reduce(base, index, source, *, dim, reduce, include_self):
+    return torch.index_reduce(base, dim, index, source, reduce, include_self=include_self)
+
+
 @register_op("index", INDEX)
 def _index(x, *indices, present):
     """x[indices], where `present[i]` says whether dim i has an index tensor (else a full slice)."""
@@ -387,6 +405,7 @@ def _opaque(node, *grads, present, out_types, python_positions):
     return tuple(out)
 
 
-# Library-call ops of the nn family (extern_ops) and of the linalg rules (linalg_ops), and the
-# composite backward kernels (composite_ops), live in their own modules but in this one table.
-from . import composite_ops, extern_ops, linalg_ops  # noqa: E402,F401
+# Library-call ops of the nn family (extern_ops), of the sequence layers (extern_sequence_ops) and
+# of the linalg rules (linalg_ops), and the composite backward kernels (composite_ops), live in
+# their own modules but in this one table.
+from . import composite_ops, extern_ops, extern_sequence_ops, linalg_ops  # noqa: E402,F401

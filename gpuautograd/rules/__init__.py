@@ -12,8 +12,12 @@ from . import (  # noqa: F401 - each family module registers its rules on import
     norms,
     pointwise,
     reductions,
+    scans,
+    scatter_reduce,
+    sequence,
     shape_ops,
     solves,
+    special,
     views,
 )
 from .registry import RULES, lookup, register

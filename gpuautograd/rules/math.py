@@ -549,3 +549,28 @@ def nansum_backward(b, node, grads):
     if not node.saved("keepdim") and x.ndim and dim:
         g = _unsqueeze_multiple(b, g, dim, x.ndim)
     return [b.mul(b.expand(g, x.shape), b.eq(x, x))]
+
+
+# ---------------------------------------------------------------------------------------------
+# linalg.cross
+
+
+def _cross(b, u, v, dim: int, shape):
+    """cross(u, v) along `dim` (size 3) of the broadcast shape: c_i = u_{i+1} v_{i+2} - u_{i+2} v_{i+1}."""
+    u, v = b.expand(u, shape), b.expand(v, shape)
+    us = [b.select(u, dim, k) for k in range(3)]
+    vs = [b.select(v, dim, k) for k in range(3)]
+    parts = [b.sub(b.mul(us[(i + 1) % 3], vs[(i + 2) % 3]), b.mul(us[(i + 2) % 3], vs[(i + 1) % 3])) for i in range(3)]
+    return b.cat([b.unsqueeze(p, dim) for p in parts], dim)
+
+
+@register("LinalgCrossBackward0")
+def linalg_cross_backward(b, node, grads):
+    # self: at::linalg_cross(other.conj(), grad, dim); other: at::linalg_cross(grad, self.conj(), dim)
+    g, x, y = grads[0], node.saved("self"), node.saved("other")
+    if g.dtype.is_complex:
+        raise NotImplementedError("LinalgCrossBackward0 of complex tensors (the IR has no conj)")
+    dim = node.saved("dim") % g.ndim
+    gx = _cross(b, y, g, dim, g.shape) if node.needs(0) else None
+    gy = _cross(b, g, x, dim, g.shape) if node.needs(1) else None
+    return [gx, gy]

@@ -144,6 +144,21 @@ register("MaxPool2DWithIndicesBackwardBackward0")(_max_pool_backward_rule(2))
 register("MaxPool3DWithIndicesBackwardBackward0")(_max_pool_backward_rule(3))
 
 
+def _max_unpool_rule(spatial: int):
+    def rule(b, node, grads):
+        # self: max_pool_double_backward(grad, indices, {2,3}) = grad.flatten(-k).gather(-1, indices.flatten(-k)).view_as(indices)
+        grad, indices = grads[0], node.saved("indices")
+        lead = indices.shape[: indices.ndim - spatial]
+        picked = b.gather(b.reshape(grad, lead + (-1,)), len(lead), b.reshape(indices, lead + (-1,)))
+        return [b.reshape(picked, indices.shape)] + [None] * (node.num_outputs - 1)
+
+    return rule
+
+
+register("MaxUnpool2DBackward0")(_max_unpool_rule(2))
+register("MaxUnpool3DBackward0")(_max_unpool_rule(3))
+
+
 @register("AvgPool2DBackward0")
 def avg_pool2d_backward(b, node, grads):
     # self: avg_pool2d_backward(grad, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)

@@ -106,3 +106,17 @@ def amax_backward(b, node, grads):
     mask = b.eq(restore_reduced_dims(b, node.saved("result"), dims, keepdim), x)
     count = b.sum(b.cast(mask, torch.int64), dims, keepdim=True)
     return [b.mul(b.div(g, count), mask)]
+
+
+@register("TopkBackward0", "SortBackward0", "SortBackward1")
+def selected_values_backward(b, node, grads):
+    # self: value_selecting_reduction_backward_symint(grad, dim, indices, self.sym_sizes(), true)
+    #       (sort.stable too) = zeros(sizes).scatter(dim, indices, grad): indices keep the reduced dim
+    g = grads[0]  # grads[1] belongs to the integer indices output and is always None
+    if g is None:
+        return [None]
+    sizes = tuple(node.saved("self_sym_sizes"))
+    if not sizes:  # a 0-dim input: the only value is the input
+        return [b.reshape(g, ())]
+    dim = node.saved("dim") % len(sizes)
+    return [b.scatter(b.full(sizes, 0, g.dtype, g.device), dim, node.saved("indices"), g)]

@@ -206,10 +206,11 @@ def _join_pieces(b, grads, piece_types, dim: int, unsqueeze: bool):
     return b.cat(pieces, dim)
 
 
-@register("SplitBackward0", "SplitWithSizesBackward0")
+@register("SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0", "UnsafeSplitWithSizesBackward0")
 def split_backward(b, node, grads):
     # self: split_backward / split_with_sizes_backward(grads, split_size(s), dim, sizes, options):
-    #       cat(grads, dim) with zeros for the outputs without a gradient
+    #       cat(grads, dim) with zeros for the outputs without a gradient (unsafe_split and
+    #       unsafe_chunk, whose outputs skip the view check, have the same formula)
     _, dim = self_sizes_and_dim(node)
     pieces = [node.input_type(i) for i in range(len(grads))]
     return [_join_pieces(b, grads, pieces, dim, unsqueeze=False)]

@@ -28,6 +28,9 @@ ODD = {
     "gpt": dict(batch=3, seq=13, d_model=48),
     "gpt-manual-attn": dict(batch=3, seq=13, d_model=48),
     "llama": dict(batch=3, seq=13, d_model=48),
+    "moe": dict(batch=3, seq=13, d_model=24),
+    "lstm-lm": dict(batch=3, seq=13, d_model=20),
+    "gnn": dict(nodes=37, edges=101),
 }
 
 

@@ -24,6 +24,7 @@ from tests.helpers import same_grads_as_torch as helpers_same_grads_as_torch
 from tests.unit import (
     test_rules_activations,
     test_rules_decompositions,
+    test_rules_coverage,
     test_rules_indexing,
     test_rules_losses,
     test_rules_math,
@@ -231,10 +232,16 @@ FAMILIES = {
     "decompositions": test_rules_decompositions.CASES,
     "pool_backward": test_rules_pool_backward.CASES,
     "nn": _nn_cases(),
+    "selection": test_rules_coverage.SELECTION,
+    "scans": test_rules_coverage.SCANS,
+    "special": test_rules_coverage.SPECIAL,
+    "scatter_reduce": test_rules_coverage.SCATTER_REDUCE,
+    "layers": test_rules_coverage.LAYERS,
+    "recurrent": test_rules_coverage.RECURRENT,
 }
 
 # Where kernels accumulate: these families also run in float64 and bfloat16 (the dtypes each case allows).
-ALL_DTYPES = {"reductions", "statistics", "norms", "norms_more", "losses"}
+ALL_DTYPES = {"reductions", "statistics", "norms", "norms_more", "losses", "scans", "special", "scatter_reduce"}
 
 
 # Cases that fail today because of a bug in the generated kernels: (case id, dtype or None for

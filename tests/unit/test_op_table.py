@@ -63,6 +63,15 @@ def zoo():
         "lu_solve",
         torch.linalg.lu_solve(*torch.linalg.lu_factor(a + 4 * torch.eye(4, dtype=torch.float64)), y[:4, :3], adjoint=True).sum(),
     )
+    yield "gamma", (torch.lgamma(x.abs() + 1) + torch.polygamma(2, y.abs() + 1) + x.logcumsumexp(1)).sum()
+    idx2 = torch.tensor([[0, 1, 2, 3, 4, 0, 1]] * 2)
+    yield "reducing_scatters", (x.scatter_reduce(0, idx2, y[:2], "prod") + x.index_reduce(0, idx, y[:4], "prod")).sum()
+    bag = F.embedding_bag(torch.tensor([1, 4, 4, 0, 2]), x, torch.tensor([0, 2]), mode="sum", per_sample_weights=_leaf(5))
+    yield "embedding_bag", bag.pow(2).sum()
+    log_probs = _leaf(6, 2, 4).log_softmax(2)
+    yield "ctc", F.ctc_loss(log_probs, torch.tensor([[1, 2], [3, 3]]), [6, 5], [2, 2])
+    lstm = torch.nn.LSTM(7, 3)  # float32 on the CPU: oneDNN's fused layer
+    yield "onednn_lstm", lstm(x.float()[None])[0].sum()
     yield "nll", F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 3, 6, 1, 1]), ignore_index=1, weight=torch.rand(7, dtype=torch.float64))
 
 

@@ -1,0 +1,83 @@
+"""Extern ops for bags, sequence losses and recurrent layers: each is one aten backward kernel.
+
+Their math is long (embedding bags with offsets and a max mode, CTC's alpha-beta recursion, a
+whole recurrent layer run backwards in time), and the library already has the kernel on every
+device, so the fused plan calls it as one library call, like convolution backward.
+
+These kernels have no meta implementation to infer from, so each op states its result types:
+they are the types of the forward tensors the gradients belong to. This module registers into
+the one op table in `ops.py`; importing it is enough.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .extern_ops import _fill_absent
+from .ops import EXTERN, register_op
+from .types import TensorType
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------------------------
+# embedding_bag
+
+
+def _bag_weight_infer(ts, attrs):
+    grad = ts[0]
+    return [TensorType((attrs["num_weights"], grad.shape[-1]), grad.dtype, grad.device)]
+
+
+@register_op("embedding_bag_backward", EXTERN, _bag_weight_infer)
+def _embedding_bag_backward(
+    grad, indices, offsets, offset2bag, bag_size, maximum_indices, *weights, present, num_weights, scale_grad_by_freq, mode, padding_idx
+):
+    """The dense weight gradient; `weights` holds the per-sample weights when present. This is the
+    entry point derivatives.yaml calls, not the dense kernel: on the CPU's fast path the forward
+    leaves offset2bag empty and this one rebuilds it from the offsets."""
+    (per_sample_weights,) = _fill_absent(weights, present)
+    return aten._embedding_bag_backward(
+        grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, False, per_sample_weights,
+        padding_idx
+    )
+
+
+@register_op("embedding_bag_per_sample_weights_backward", EXTERN, lambda ts, a: [ts[2].with_(dtype=ts[0].dtype)])
+def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, *, mode, padding_idx):
+    return aten._embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# CTC loss
+
+
+@register_op("ctc_loss_backward", EXTERN, lambda ts, a: [ts[1]])
+def _ctc_loss_backward(grad, log_probs, targets, neg_log_likelihood, log_alpha, *, input_lengths, target_lengths, blank, zero_infinity):
+    """The gradient of the per-sample losses with respect to `log_probs`."""
+    return aten._ctc_loss_backward(
+        grad, log_probs, targets, list(input_lengths), list(target_lengths), neg_log_likelihood, log_alpha, blank, zero_infinity
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# oneDNN's recurrent layer (torch's CPU float32 LSTM)
+
+
+def _rnn_layer_infer(ts, attrs):
+    return [ts[i] for i in range(7)]  # input, weight1..4, hx, cx: one gradient each
+
+
+@register_op("mkldnn_rnn_layer_backward", EXTERN, _rnn_layer_infer)
+def _mkldnn_rnn_layer_backward(
+    input, weight1, weight2, weight3, weight4, hx, cx, output, hy, cy, workspace, *grads, present, reverse, mode, hidden_size,
+    num_layers, has_biases, train, bidirectional, batch_sizes, batch_first
+):
+    """`grads` holds the present ones of the gradients of (output, hy, cy). In bfloat16 the kernel
+    returns float32 gradients; they are cast to their tensors' dtypes, as torch's engine does."""
+    grad_output, grad_hy, grad_cy = _fill_absent(grads, present)
+    outs = aten.mkldnn_rnn_layer_backward(
+        input, weight1, weight2, weight3, weight4, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy, reverse, mode, hidden_size,
+        num_layers, has_biases, train, bidirectional, list(batch_sizes), batch_first, workspace
+    )
+    return tuple(g.to(t.dtype) for g, t in zip(outs, (input, weight1, weight2, weight3, weight4, hx, cx)))

@@ -1,0 +1,70 @@
+"""Backward rules of the cumulative ops other than cumsum (in math.py): cumprod, logcumsumexp,
+cummax and cummin. Their gradients are scans too (reversed cumsums), which run as scan ops."""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import register
+
+
+def _scan(b, op: str, x, dim: int, reverse: bool):
+    return b.emit(op, x, dim=dim, reverse=reverse)
+
+
+def _trivial(g, dim_size: int) -> bool:
+    """Scans of at most one element per slice pass the gradient through."""
+    return g.ndim == 0 or g.type.numel() <= 1 or dim_size == 1
+
+
+@register("CumprodBackward0")
+def cumprod_backward(b, node, grads):
+    # self: cumprod_backward(grad.to(self.scalar_type()), self, dim, result)
+    #       no zero in a slice: reversed_cumsum(grad * result) / self; up to a slice's first zero z the
+    #       same sum stops at z, at z it is reversed_cumsum(grad * cumprod(self with x_z = 1)), after z 0
+    x, out = node.saved("self"), node.saved("result")
+    g = b.cast(grads[0], x.dtype)
+    dim = node.saved("dim") % max(x.ndim, 1)
+    if _trivial(g, x.shape[dim] if x.ndim else 1):
+        return [g]
+    zero = b.eq(x, 0)
+    zeros_so_far = _scan(b, "cumsum", b.cast(zero, torch.int64), dim, reverse=False)
+    before = b.eq(zeros_so_far, 0)  # before the first zero of the slice
+    first = b.logical_and(zero, b.eq(zeros_so_far, 1))
+    up_to_zero = _scan(b, "cumsum", b.where(before, b.mul(g, out), 0.0), dim, reverse=True)
+    plain = b.div(up_to_zero, b.where(before, x, 1.0))
+    skip_zero = _scan(b, "cumprod", b.where(first, 1.0, x), dim, reverse=False)
+    at_zero = _scan(b, "cumsum", b.where(before, 0.0, b.mul(g, skip_zero)), dim, reverse=True)
+    return [b.where(before, plain, b.where(first, at_zero, 0.0))]
+
+
+@register("LogcumsumexpBackward0")
+def logcumsumexp_backward(b, node, grads):
+    # self: logcumsumexp_backward(grad, self, result, dim): with lg+ = log(grad) where grad > 0 (else
+    #       the lowest value) and lg- likewise for -grad: exp(rev_lcse(lg+ - result) + self) - exp(rev_lcse(lg- - result) + self)
+    x, out = node.saved("self"), node.saved("result")
+    g = grads[0]
+    dim = node.saved("dim") % max(x.ndim, 1)
+    if g.ndim == 0 or g.type.numel() == 0:
+        return [g]
+    lowest = torch.finfo(g.dtype).min
+    log_abs = b.log(b.where(b.lt(g, 0), b.neg(g), g))
+
+    def part(mask):
+        logs = b.sub(b.where(mask, log_abs, lowest), out)
+        return b.exp(b.add(_scan(b, "logcumsumexp", logs, dim, reverse=True), x))
+
+    return [b.sub(part(b.gt(g, 0)), part(b.lt(g, 0)))]
+
+
+@register("CummaxBackward0", "CumminBackward0")
+def cumulative_max_min_backward(b, node, grads):
+    # self: cumulative_max_min_backward(grad, self, indices, dim) = zeros(self.sizes).scatter_add(dim, indices, grad)
+    g = grads[0]  # grads[1] belongs to the integer indices output
+    if g is None:
+        return [None]
+    x = node.saved("self")
+    if x.ndim == 0 or x.type.numel() == 0:
+        return [g]
+    dim = node.saved("dim") % x.ndim
+    return [b.scatter_add(b.full(x.shape, 0, g.dtype, g.device), dim, node.saved("indices"), g)]

@@ -1,0 +1,356 @@
+"""Gradients against torch.autograd for the nodes that real training graphs used to run opaque:
+topk / sort routing, cumulative products and log-sum-exps, the gamma family, reducing scatters,
+embedding bags, CTC loss, max_unpool, linalg.cross, and the recurrent layers (unsafe_chunk of the
+gates, oneDNN's LSTM layer on the CPU in float32).
+
+Every case first asserts that its graph contains the node it is about and that nothing ran
+opaque (run_case). Sizes are odd, some inputs are transposed views, indices repeat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gpuautograd
+from tests.helpers import DTYPES, Case, fixed, idx, leaf, make, params, rand, run_case
+from tests.unit.test_rules_math import with_zeros
+from tests.unit.test_rules_pointwise import integers, positive
+
+pytestmark = [
+    pytest.mark.filterwarnings("error:gpuautograd falls back"),
+    pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta"),
+]
+
+NO_HALF = (torch.float64, torch.float32)
+
+
+def rand_index(high, *shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, high, shape, generator=g)
+
+
+def away_from_poles(*shape, dtype=torch.float64, noncontiguous=False):
+    """Values in (-6, 6) at least 0.15 from the poles 0, -1, -2, ... of the gamma family."""
+    x = rand(*shape, dtype=torch.float64, requires_grad=False, noncontiguous=noncontiguous) * 2.5
+    frac = x - x.round()
+    x = torch.where((x < 0.5) & (frac.abs() < 0.15), x.round() + 0.15 * torch.where(frac < 0, -1.0, 1.0), x)
+    return x.to(dtype).requires_grad_()
+
+
+# -- selection: topk, sort ---------------------------------------------------------------------
+
+SELECTION = [
+    Case("topk_rows", "TopkBackward0", lambda x: x.topk(5, 1)[0], make(leaf(7, 13))),
+    Case("topk_dim0_smallest_nc", "TopkBackward0", lambda x: x.topk(3, 0, largest=False)[0], make(leaf(7, 13, nc=True))),
+    Case("topk_3d_neg_dim", "TopkBackward0", lambda x: x.topk(2, -1)[0] * 2, make(leaf(3, 5, 9))),
+    Case("topk_0d", "TopkBackward0", lambda x: x.topk(1)[0], make(leaf())),
+    Case("sort_last", "SortBackward0", lambda x: x.sort(-1)[0], make(leaf(33, 65, nc=True))),
+    Case("sort_dim0_descending", "SortBackward0", lambda x: x.sort(0, descending=True)[0], make(leaf(7, 13))),
+    Case("sort_stable_ties", "SortBackward1", lambda x: x.sort(dim=1, stable=True)[0], lambda d: (integers(7, 13, dtype=d),)),
+    Case("argsort_values_by_gather", "SortBackward0", lambda x: x.sort(1)[0] * x.sort(1)[0].detach(), make(leaf(5, 7))),
+    Case("max_dim_keepdim", "MaxBackward0", lambda x: x.max(1, keepdim=True)[0], make(leaf(7, 13, nc=True))),
+    Case("min_dim", "MinBackward0", lambda x: x.min(0)[0], make(leaf(7, 13))),
+]
+
+# -- scans: cumprod, logcumsumexp, cummax, cummin ----------------------------------------------
+
+SCANS = [
+    Case(
+        "cumprod_last_nc",
+        "CumprodBackward0",
+        lambda x: x.cumprod(-1),
+        lambda d: (positive(7, 13, dtype=d, low=0.6, noncontiguous=True),),
+    ),
+    Case("cumprod_dim0_3d", "CumprodBackward0", lambda x: x.cumprod(0), lambda d: (with_zeros(5, 3, 7, dtype=d),)),
+    Case(
+        "cumprod_zeros",
+        "CumprodBackward0",
+        lambda x: x.cumprod(1),
+        lambda d: (with_zeros(4, 9, dtype=d, at=((0, 0), (1, 4), (2, 3), (2, 6), (3, 8))),),
+    ),
+    Case("cumprod_size_one", "CumprodBackward0", lambda x: x.cumprod(1), make(leaf(7, 1))),
+    Case("cumprod_of_0d", "CumprodBackward0", lambda x: x.cumprod(0), make(leaf())),
+    Case(
+        "cumprod_dtype",
+        "CumprodBackward0",
+        lambda x: x.cumprod(1, dtype=torch.float64),
+        lambda d: (with_zeros(5, 7, dtype=d, at=((1, 3),)),),
+        NO_HALF,
+    ),
+    # in bfloat16 the formula's two rounded exp terms cancel: along 65 elements both torch and the
+    # fused kernels land up to 0.15 from the float64 truth, so this long scan is checked in f64 / f32
+    Case("logcumsumexp_last", "LogcumsumexpBackward0", lambda x: x.logcumsumexp(-1), make(leaf(33, 65, nc=True)), NO_HALF),
+    Case("logcumsumexp_short_bf16", "LogcumsumexpBackward0", lambda x: x.logcumsumexp(-1), make(leaf(5, 9, nc=True))),
+    Case("logcumsumexp_dim0", "LogcumsumexpBackward0", lambda x: x.logcumsumexp(0) * 3, make(leaf(7, 3, 5))),
+    Case("logcumsumexp_0d", "LogcumsumexpBackward0", lambda x: x.logcumsumexp(0), make(leaf())),
+    Case("cummax_last", "CummaxBackward0", lambda x: x.cummax(-1)[0], make(leaf(7, 13, nc=True))),
+    Case("cummax_ties", "CummaxBackward0", lambda x: x.cummax(0)[0], lambda d: (integers(9, 5, dtype=d),)),
+    Case("cummin_dim1_3d", "CumminBackward0", lambda x: x.cummin(1)[0], make(leaf(3, 7, 5))),
+]
+
+# -- the gamma family ------------------------------------------------------------------------------
+
+SPECIAL = [
+    Case("lgamma_positive_nc", "LgammaBackward0", torch.lgamma, lambda d: (positive(33, 65, dtype=d, low=0.2, noncontiguous=True),)),
+    Case("lgamma_negative", "LgammaBackward0", torch.lgamma, lambda d: (away_from_poles(7, 13, dtype=d),), NO_HALF),
+    Case("digamma_positive", "DigammaBackward0", torch.digamma, lambda d: (positive(7, 13, dtype=d, low=0.3),)),
+    Case(
+        "digamma_negative_nc",
+        "DigammaBackward0",
+        torch.digamma,
+        lambda d: (away_from_poles(7, 13, dtype=d, noncontiguous=True),),
+        NO_HALF,
+    ),
+    Case("polygamma1", "PolygammaBackward0", lambda x: torch.polygamma(1, x), lambda d: (positive(7, 13, dtype=d, low=0.5),)),
+    Case(
+        "polygamma2_negative",
+        "PolygammaBackward0",
+        lambda x: torch.polygamma(2, x),
+        lambda d: (away_from_poles(7, 13, dtype=d),),
+        NO_HALF,
+    ),
+    Case("polygamma4", "PolygammaBackward0", lambda x: torch.polygamma(4, x), lambda d: (positive(5, 9, dtype=d, low=1.0),), NO_HALF),
+    Case("mvlgamma_p1", "MvlgammaBackward0", lambda x: torch.mvlgamma(x, 1), lambda d: (positive(7, 13, dtype=d, low=0.5),)),
+    Case(
+        "mvlgamma_p3_nc",
+        "MvlgammaBackward0",
+        lambda x: torch.mvlgamma(x, 3),
+        lambda d: (positive(7, 13, dtype=d, low=1.5, noncontiguous=True),),
+    ),
+    Case(
+        "gamma_log_prob",
+        "LgammaBackward0",
+        lambda a, x: ((a - 1) * x.log() - x - torch.lgamma(a)).sum(1),
+        lambda d: (positive(1, 13, dtype=d, low=0.5), positive(7, 13, dtype=d)),
+    ),
+]
+
+# -- scatter_reduce and index_reduce ---------------------------------------------------------------
+
+
+def _scatter_reduce_cases():
+    cases = []
+    for reduce in ("sum", "prod", "mean", "amax", "amin"):
+        for include_self in (True, False):
+            tag = f"{reduce}_{'incl' if include_self else 'excl'}"
+            fn = lambda x, i, s, r=reduce, inc=include_self: x.scatter_reduce(0, i, s, r, include_self=inc)  # noqa: E731
+            cases.append(
+                Case(
+                    f"scatter_reduce_{tag}",
+                    "ScatterReduceBackward0",
+                    fn,
+                    make(leaf(5, 7), fixed(rand_index(5, 9, 7)), leaf(9, 7)),
+                )
+            )
+            fn1 = lambda x, i, s, r=reduce, inc=include_self: x.scatter_reduce(-1, i, s, r, include_self=inc)  # noqa: E731
+            cases.append(
+                Case(
+                    f"scatter_reduce_{tag}_last_nc",
+                    "ScatterReduceBackward0",
+                    fn1,
+                    make(leaf(3, 7, nc=True), fixed(rand_index(7, 3, 11)), leaf(3, 11)),
+                )
+            )
+    ties = lambda d: (integers(4, 5, dtype=d), rand_index(4, 8, 5, seed=2), integers(8, 5, dtype=d))  # noqa: E731
+    for reduce in ("amax", "amin"):
+        fn = lambda x, i, s, r=reduce: x.scatter_reduce(0, i, s, r)  # noqa: E731
+        cases.append(Case(f"scatter_reduce_{reduce}_ties", "ScatterReduceBackward0", fn, ties))
+    zeros = lambda d: (  # noqa: E731
+        with_zeros(4, 5, dtype=d, at=((0, 1),)),
+        rand_index(4, 8, 5, seed=3),
+        with_zeros(8, 5, dtype=d, at=((1, 1), (2, 2), (5, 2))),
+    )
+    for include_self in (True, False):
+        fn = lambda x, i, s, inc=include_self: x.scatter_reduce(0, i, s, "prod", include_self=inc)  # noqa: E731
+        cases.append(Case(f"scatter_reduce_prod_zeros_{include_self}", "ScatterReduceBackward0", fn, zeros))
+    return cases
+
+
+def _index_reduce_cases():
+    cases = []
+    index = idx(0, 4, 4, 2, 0, 4)
+    for reduce in ("prod", "mean", "amax", "amin"):
+        for include_self in (True, False):
+            tag = f"{reduce}_{'incl' if include_self else 'excl'}"
+            fn = lambda x, i, s, r=reduce, inc=include_self: x.index_reduce(1, i, s, r, include_self=inc)  # noqa: E731
+            cases.append(Case(f"index_reduce_{tag}", "IndexReduceBackward0", fn, make(leaf(3, 5, 7), fixed(index), leaf(3, 6, 7))))
+    zeros = lambda d: (  # noqa: E731
+        with_zeros(5, 3, dtype=d, at=((4, 1),)),
+        idx(4, 1, 4, 0),
+        with_zeros(4, 3, dtype=d, at=((0, 1), (2, 2))),
+    )
+    cases.append(Case("index_reduce_prod_zeros", "IndexReduceBackward0", lambda x, i, s: x.index_reduce(0, i, s, "prod"), zeros))
+    cases.append(
+        Case(
+            "index_reduce_mean_nc",
+            "IndexReduceBackward0",
+            lambda x, i, s: x.index_reduce(0, i, s, "mean"),
+            make(leaf(7, 5, nc=True), fixed(idx(6, 6, 0)), leaf(3, 5, nc=True)),
+        )
+    )
+    return cases
+
+
+ZERO_DIM_REDUCING = [
+    Case(
+        "scatter_reduce_0d_prod",
+        "ScatterReduceBackward0",
+        lambda x, s: x.scatter_reduce(0, torch.tensor(0), s, "prod", include_self=True),
+        make(leaf(), leaf()),
+    ),
+    Case(
+        "index_reduce_0d_mean_excl",
+        "IndexReduceBackward0",
+        lambda x, s: x.index_reduce(0, idx(0), s, "mean", include_self=False),
+        make(leaf(), leaf()),
+    ),
+]
+
+SCATTER_REDUCE = _scatter_reduce_cases() + _index_reduce_cases() + ZERO_DIM_REDUCING
+
+# -- bags, sequences, layers -------------------------------------------------------------------
+
+BAG_INDICES = idx(1, 2, 4, 5, 4, 3, 9, 0, 0, 7, 2)
+BAG_OFFSETS = idx(0, 3, 3, 8)  # the second bag is empty
+
+
+def _bag(mode, **kwargs):
+    return lambda w, *rest: F.embedding_bag(BAG_INDICES, w, BAG_OFFSETS, mode=mode, **kwargs) if not rest else F.embedding_bag(
+        BAG_INDICES, w, BAG_OFFSETS, mode=mode, per_sample_weights=rest[0], **kwargs
+    )
+
+
+def _ctc(reduction="mean", zero_infinity=False, lengths=(13, 11, 9)):
+    targets = torch.tensor([[1, 2, 2, 4], [3, 1, 0, 0], [4, 4, 4, 0]])
+    return lambda lp: F.ctc_loss(lp, targets, list(lengths), [4, 2, 3], reduction=reduction, zero_infinity=zero_infinity)
+
+
+def _log_probs(dtype, frames=13, noncontiguous=False):
+    x = torch.randn(3, frames, 5, dtype=dtype).transpose(0, 1) if noncontiguous else torch.randn(frames, 3, 5, dtype=dtype)
+    return (x.log_softmax(2).detach().requires_grad_(),)
+
+
+def _pooled(spatial, dtype):
+    shape = (2, 3, 6, 7) if spatial == 2 else (2, 2, 4, 5, 6)
+    pool = F.max_pool2d if spatial == 2 else F.max_pool3d
+    out, indices = pool(torch.randn(*shape, dtype=dtype), 2, return_indices=True)
+    return out.detach().requires_grad_(), indices
+
+
+LAYERS = [
+    Case("embedding_bag_sum", "EmbeddingBagBackward0", _bag("sum"), make(leaf(11, 5))),
+    Case("embedding_bag_mean_padding", "EmbeddingBagBackward0", _bag("mean", padding_idx=4), make(leaf(11, 5))),
+    Case("embedding_bag_max", "EmbeddingBagBackward0", _bag("max"), make(leaf(11, 5))),
+    Case("embedding_bag_sum_freq", "EmbeddingBagBackward0", _bag("sum", scale_grad_by_freq=True), make(leaf(11, 5))),
+    Case("embedding_bag_per_sample_weights", "EmbeddingBagBackward0", _bag("sum"), make(leaf(11, 5), leaf(11))),
+    Case(
+        "embedding_bag_2d_input",
+        "EmbeddingBagBackward0",
+        lambda w: F.embedding_bag(rand_index(11, 4, 3), w, mode="mean"),
+        make(leaf(11, 5, nc=True)),
+    ),
+    Case("ctc_mean", "CtcLossBackward0", _ctc(), _log_probs, NO_HALF),
+    Case("ctc_sum_nc", "CtcLossBackward0", _ctc("sum"), lambda d: _log_probs(d, noncontiguous=True), NO_HALF),
+    Case("ctc_none_zero_infinity", "CtcLossBackward0", _ctc("none", True, (13, 2, 9)), _log_probs, NO_HALF),
+    Case("max_unpool2d", "MaxUnpool2DBackward0", lambda o, i: F.max_unpool2d(o, i, 2, output_size=(6, 7)), lambda d: _pooled(2, d)),
+    Case("max_unpool3d", "MaxUnpool3DBackward0", lambda o, i: F.max_unpool3d(o, i, 2, output_size=(4, 5, 6)), lambda d: _pooled(3, d)),
+    Case("cross_last", "LinalgCrossBackward0", torch.linalg.cross, make(leaf(7, 3), leaf(7, 3))),
+    Case(
+        "cross_broadcast_dim0",
+        "LinalgCrossBackward0",
+        lambda a, b: torch.linalg.cross(a, b, dim=0),
+        make(leaf(3, 1, 5), leaf(3, 7, 5, nc=True)),
+    ),
+    Case(
+        "cross_one_side",
+        "LinalgCrossBackward0",
+        lambda a, b: torch.linalg.cross(a, b),
+        make(leaf(2, 5, 3), lambda d: torch.randn(1, 5, 3, dtype=d)),
+    ),
+]
+
+# -- recurrent layers ----------------------------------------------------------------------------
+
+
+def _recurrent(kind, **kwargs):
+    """A maker of (input, every parameter) for module `kind`, built in the case's dtype."""
+
+    def maker(dtype):
+        torch.manual_seed(0)
+        module = kind(5, 7, **kwargs).to(dtype)
+        seq = () if kind in (nn.GRUCell, nn.LSTMCell, nn.RNNCell) else (9,)
+        x = rand(*seq, 3, 5, dtype=dtype)
+        return (module, x, *module.parameters())
+
+    return maker
+
+
+def _run(module, x, *params):
+    out = module(x)
+    if isinstance(out, tuple):  # (output, h) for GRU / RNN, (output, (h, c)) for LSTM, (h, c) for LSTMCell
+        first, rest = out
+        rest = rest if isinstance(rest, tuple) else (rest,)
+        return (first, *rest)
+    return out
+
+
+RECURRENT = [
+    Case("gru_2_layers", "UnsafeSplitBackward0", _run, _recurrent(nn.GRU, num_layers=2), NO_HALF),
+    Case("gru_cell", "UnsafeSplitBackward0", _run, _recurrent(nn.GRUCell), NO_HALF),
+    Case("lstm_cell", "UnsafeSplitBackward0", _run, _recurrent(nn.LSTMCell), NO_HALF),
+    Case(
+        "lstm_bidirectional_float64",
+        "UnsafeSplitBackward0",
+        _run,
+        _recurrent(nn.LSTM, num_layers=2, bidirectional=True),
+        (torch.float64,),
+    ),
+    Case(
+        "lstm_bidirectional_onednn",
+        "MkldnnRnnLayerBackward0",
+        _run,
+        _recurrent(nn.LSTM, num_layers=2, bidirectional=True),
+        (torch.float32,),
+    ),
+    Case("lstm_batch_first_onednn", "MkldnnRnnLayerBackward0", _run, _recurrent(nn.LSTM, batch_first=True), (torch.float32, torch.bfloat16)),
+    Case("rnn_tanh", "TanhBackward0", _run, _recurrent(nn.RNN, num_layers=2), NO_HALF),
+    Case("rnn_relu_cell", "ReluBackward0", _run, _recurrent(nn.RNNCell, nonlinearity="relu"), NO_HALF),
+    Case("unsafe_chunk", "UnsafeSplitBackward0", lambda x: x.unsafe_chunk(3, 1)[1] * 2, make(leaf(5, 9, nc=True))),
+    Case("unsafe_split_uneven", "UnsafeSplitBackward0", lambda x: x.unsafe_split(4, 0), make(leaf(11, 3))),
+    Case(
+        "unsafe_split_with_sizes",
+        "UnsafeSplitWithSizesBackward0",
+        lambda x: x.unsafe_split_with_sizes([2, 5, 6], -1)[::2],
+        make(leaf(3, 13)),
+    ),
+]
+
+ALL = SELECTION + SCANS + SPECIAL + SCATTER_REDUCE + LAYERS + RECURRENT
+
+
+@pytest.mark.parametrize("case, dtype", params(ALL))
+def test_coverage_rule(case, dtype):
+    run_case(case, dtype)
+
+
+def test_cumprod_program_serves_inputs_with_and_without_zeros():
+    # the captured program selects the zero branches by value, so one plan serves both
+    fn = lambda x: x.cumprod(1)  # noqa: E731
+    for k, x in enumerate((rand(5, 7), with_zeros(5, 7, at=((0, 0), (2, 3), (2, 5))))):
+        out = fn(x)
+        g = torch.randn_like(out)
+        hits = gpuautograd.stats()["cache_hits"]
+        (ours,) = gpuautograd.grad([out], [x], [g], retain_graph=True)
+        if k:
+            assert gpuautograd.stats()["cache_hits"] == hits + 1
+        (theirs,) = torch.autograd.grad([out], [x], [g])
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_sparse_embedding_bag_runs_opaque_with_its_reason():
+    w = rand(11, 5)
+    out = F.embedding_bag(BAG_INDICES, w, BAG_OFFSETS, sparse=True)
+    report = gpuautograd.explain([out], [torch.ones_like(out)])
+    assert report.opaque_nodes and "sparse" in str(report)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
-import warnings
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags
+from ..degrade import report
 from ..capture.lower import Request, lower
 from ..capture.walk import release_saved, tensor_meta, walk
 from ..fusion.partition import plan_fusion
@@ -154,20 +154,38 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
     return None if accumulate else results
 
 
+RECAPTURE_LIMIT_PREFIX = "one graph structure was captured GPUAUTOGRAD_RECAPTURE_LIMIT="
+RECAPTURE_LIMIT_REASON = RECAPTURE_LIMIT_PREFIX + (
+    "{limit} times, with different sizes or layouts (stats()['miss_reasons'] names the guards that changed); "
+    "raise GPUAUTOGRAD_RECAPTURE_LIMIT to capture more"
+)
+CACHE_THRASH_REPORT = (
+    "gpuautograd's plan cache thrashes: the backwards in use need more than GPUAUTOGRAD_CACHE_SIZE={size} plans, "
+    "so evicted ones are captured again (correct, but slow); raise GPUAUTOGRAD_CACHE_SIZE"
+)
+
+
 def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
     st = stats_module.STATS
-    previous, count = CACHE.note_capture(structure_of(key), key)
-    reason = explain_miss(previous, key, w.classes) if previous is not None else "new graph structure"
-    st.record_miss(reason)
-    if flags.debug_level() >= 1:
-        print(f"[gpuautograd] cache miss: {reason}")
-    if count > flags.recapture_limit():
-        limit_reason = (
-            f"recaptured {count - 1} times for one graph structure (last: {reason}); set GPUAUTOGRAD_RECAPTURE_LIMIT to allow more"
-        )
-        entry = Entry(program=None, compiled=None, fallback_reason=limit_reason)
-        CACHE.put(key, entry, flags.cache_size())
-        return entry
+    evicted, evicted_reason = CACHE.take_evicted(key)
+    if evicted:
+        # The cache, not the shapes, dropped this plan: capture it again without spending the
+        # structure's recapture budget, so a small cache never turns into a permanent fallback.
+        st.record_miss("captured again: the plan cache had evicted it")
+        st.cache_thrash += 1
+        report(CACHE_THRASH_REPORT.format(size=flags.cache_size()))
+        if evicted_reason is not None and evicted_reason.startswith(RECAPTURE_LIMIT_PREFIX):
+            return _put(key, Entry(program=None, compiled=None, fallback_reason=evicted_reason))
+    else:
+        previous, count = CACHE.note_capture(structure_of(key), key)
+        reason = explain_miss(previous, key, w.classes) if previous is not None else "new graph structure"
+        st.record_miss(reason)
+        if flags.debug_level() >= 1:
+            print(f"[gpuautograd] cache miss: {reason}")
+        limit = flags.recapture_limit()
+        if count > limit:
+            # a stable reason (no count, no sizes): it is reported once and counted under one name
+            return _put(key, Entry(program=None, compiled=None, fallback_reason=RECAPTURE_LIMIT_REASON.format(limit=limit)))
     st.captures += 1
     entry = build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
     if flags.debug_level() >= 2 and entry.program is not None:
@@ -176,6 +194,10 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
             print(f"[gpuautograd] fused plan ({entry.compiled.launches} launches):\n{entry.compiled.source}")
     if flags.debug_level() >= 3 and isinstance(entry.compiled, FusedProgram):
         print("[gpuautograd] fusion decisions:\n" + "\n".join(entry.compiled.plan.decisions))
+    return _put(key, entry)
+
+
+def _put(key, entry: Entry) -> Entry:
     CACHE.put(key, entry, flags.cache_size())
     return entry
 
@@ -243,12 +265,9 @@ def owned_outputs(program: Program) -> list[bool]:
 
 
 def warn_fallback(reason: str) -> None:
-    """Count the fallback; warn once per reason (until gpuautograd.reset())."""
-    st = stats_module.STATS
-    st.fallbacks[reason] += 1
-    if reason not in st.warned:
-        st.warned.add(reason)
-        warnings.warn(f"gpuautograd falls back to eager torch.autograd: {reason}", RuntimeWarning, stacklevel=4)
+    """Count the fallback; report it once per reason (a log record; a warning only on request)."""
+    stats_module.STATS.fallbacks[reason] += 1
+    report(f"gpuautograd falls back to eager torch.autograd: {reason}")
 
 
 __all__ = ["run", "prepare", "Fallback", "CACHE", "build_entry", "warn_fallback"]

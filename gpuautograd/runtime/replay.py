@@ -11,18 +11,17 @@ per group, and replays the segments with the eager steps between them. On the CP
 Every call checks what the captured code assumes: a pointer promised 16-byte aligned still is, a
 parameter read in place has not moved (it recaptures once, then is mirrored), an eager step's
 result keeps its layout. A plan that can't keep them runs its fused kernels unbound from then on,
-with a warning.
+and says so once (gpuautograd.degrade).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
-import warnings
 
 import torch
 
 from .. import flags
+from ..degrade import report
 from ..codegen.compile import describe_error
 from ..fusion.heuristics import POINTER_ALIGNMENT
 from ..fusion.partition import FusionPlan
@@ -68,14 +67,6 @@ def value_bits(t: torch.Tensor) -> int:
 
 class EagerStepError(Exception):
     """The user's code in an eager step raised (its exception is the cause): not this plan's fault."""
-
-
-def _user_stacklevel() -> int:
-    """The stacklevel that points a warning at the first frame outside gpuautograd."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("gpuautograd"):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class BoundProgram(FusedProgram):
@@ -416,11 +407,7 @@ def bound_or_fused(plan: FusionPlan, interpret: bool):
 
 def unbound(plan: FusionPlan, interpret: bool, reason: str) -> FusedProgram:
     stats_module.STATS.not_graphed[reason] += 1
-    warnings.warn(
-        f"gpuautograd: this backward is not graphed ({reason}); it runs the fused kernels without replay",
-        RuntimeWarning,
-        stacklevel=_user_stacklevel(),
-    )
+    report(f"gpuautograd: this backward is not graphed ({reason}); it runs the fused kernels without replay")
     return _Writer(plan, interpret).write()
 
 

@@ -52,7 +52,10 @@ class PlanCache:
     def get(self, key) -> Entry | None:
         entry = self.entries.get(key)
         if entry is not None:
-            self.entries.move_to_end(key)
+            try:
+                self.entries.move_to_end(key)
+            except KeyError:  # another thread's put evicted it just now; this call still has it
+                pass
         return entry
 
     def put(self, key, entry: Entry, limit: int) -> None:

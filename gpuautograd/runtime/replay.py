@@ -17,6 +17,7 @@ and says so once (gpuautograd.degrade).
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -111,6 +112,14 @@ class BoundProgram(FusedProgram):
         self.layouts: dict[str, tuple] = {}  # eager result -> (shape, stride, dtype) seen at warm-up
         self.replays = 0
         self.fallback = None  # the plain fused program, once this plan turned out not to be replayable
+        # One table, one arena and one env serve every call, and a CUDA graph replays at the
+        # addresses it was captured with, so two calls at once would overwrite each other's
+        # pointers and intermediates. Per-thread state would mean a table, an arena and captured
+        # graphs per thread (memory and capture time multiplied) for what is rare; so calls of one
+        # plan take turns (uncontended, the lock costs well under a microsecond), and calls of
+        # different plans still overlap.
+        self.lock = threading.Lock()
+        self.done = None  # CUDA: an event after the last call's work, which the next call waits for
 
     def _fresh_values(self) -> list[Value]:
         names = self.writer.fresh_kernel | self.writer.fresh_library
@@ -137,10 +146,29 @@ class BoundProgram(FusedProgram):
     # -- one call ------------------------------------------------------------------------------------
 
     def __call__(self, args: list):
-        if self.fallback is not None:
-            return self.fallback(args)
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+        fallback = self.fallback
+        if fallback is not None:  # the plain fused program allocates per call: no turns needed
+            return fallback(args)
+        with self.lock:
+            if self.fallback is not None:  # another call gave up while this one waited
+                return self.fallback(args)
+            if self.device.type != "cuda":
+                return self._call(args)
+            with torch.cuda.device(self.device):
+                return self._serialized_on_gpu(args)
+
+    def _serialized_on_gpu(self, args: list):
+        """The lock orders the host side; the event orders the GPU side, since the previous caller
+        may have queued its replay on another stream."""
+        stream = torch.cuda.current_stream(self.device)
+        if self.done is not None:
+            stream.wait_event(self.done)
+        try:
             return self._call(args)
+        finally:
+            if self.table is not None:  # still bound (a give-up releases the plan)
+                self.done = torch.cuda.Event()
+                self.done.record(stream)
 
     def _call(self, args: list):
         D = dict(zip(self.input_names, args))

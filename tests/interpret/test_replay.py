@@ -118,3 +118,16 @@ def test_a_warm_up_failure_runs_the_plain_fused_plan_and_says_so(monkeypatch):
     for mine, expected in zip(rc.grads(model), rc.eager_grads(model, x)):
         assert_close(mine, expected)  # the plain plan's kernels fall back to reference ops too
     assert gpuautograd.stats()["not_graphed"]
+
+
+def test_concurrent_backwards_of_one_bound_plan_match_eager():
+    s = rc.concurrent_backwards_share_one_plan(CPU, threads=4, calls=6)
+    (program,) = rc.bound_programs()  # one plan served every thread
+    # each thread's model has its own weights: the first one at a new address re-binds the plan once
+    recaptures = sum(r.startswith("recapture") for r in s["miss_reasons"])
+    assert program.replays == s["replays"] and s["replays"] + recaptures == 4 * 6, s
+
+
+def test_concurrent_backwards_on_the_reference_backend_match_eager():
+    s = rc.concurrent_backwards_share_one_plan(rc.Where("reference", "cpu", torch.float64), threads=6, calls=20)
+    assert s["cached_programs"] >= 1 and s["cache_hits"] >= 6 * 20

@@ -1,6 +1,6 @@
 """Host cost of a cache hit, per autograd node, next to eager backward of the same model.
 
-    python -m bench.hit_path [--iters N] [--model gpt|mlp|llama|cnn]
+    python -m bench.hit_path [--iters N] [--model gpt|mlp|llama|cnn] [--opaque]
 
 Every figure comes from one run with the variants interleaved iteration by iteration, so machine
 noise hits them alike; ratios are what to compare. Reported per iteration, median of N:
@@ -8,6 +8,8 @@ noise hits them alike; ratios are what to compare. Reported per iteration, media
   hit        gpuautograd.backward(loss) on a cache hit (walk + key + bind + run + accumulate)
   walk+key   the part of `hit` that is not running the ops: walking the graph, building and
              hashing the key, and looking the plan up
+`--opaque` passes the loss through a custom autograd.Function (an identity), so the backward has
+an opaque node: what a backward that runs a custom Function's backward costs.
 """
 
 from __future__ import annotations
@@ -25,29 +27,42 @@ from gpuautograd.runtime import engine
 from .models import SUITE
 
 
-def _forward(model, make_batch, loss_fn, batch):
+class _Identity(torch.autograd.Function):
+    """A custom Function: gpuautograd runs its backward as an opaque node."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _forward(model, make_batch, loss_fn, batch, opaque=False):
     torch.manual_seed(0)
-    return loss_fn(model, *batch)
+    loss = loss_fn(model, *batch)
+    return _Identity.apply(loss) if opaque else loss
 
 
-def measure(name: str = "gpt", iters: int = 50, threads: int = 1) -> dict:
+def measure(name: str = "gpt", iters: int = 50, threads: int = 1, opaque: bool = False) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, make_batch, loss_fn = SUITE[name]()
     batch = make_batch(torch.Generator().manual_seed(0))
-    loss = _forward(model, make_batch, loss_fn, batch)
+    loss = _forward(model, make_batch, loss_fn, batch, opaque)
     num_nodes = gpuautograd.explain(loss).num_nodes
     gpuautograd.backward(loss)  # capture
     times = {"eager": [], "hit": [], "walk+key": []}
     for _ in range(iters):
         model.zero_grad(set_to_none=True)
-        loss = _forward(model, make_batch, loss_fn, batch)
+        loss = _forward(model, make_batch, loss_fn, batch, opaque)
         t0 = time.perf_counter()
         loss.backward()
         times["eager"].append(time.perf_counter() - t0)
 
         model.zero_grad(set_to_none=True)
-        loss = _forward(model, make_batch, loss_fn, batch)
+        loss = _forward(model, make_batch, loss_fn, batch, opaque)
         gc.disable()  # as engine.run does around the walk
         t0 = time.perf_counter()
         w, key, *_ = engine.prepare([loss], [torch.ones_like(loss)], [], True, None)
@@ -61,7 +76,7 @@ def measure(name: str = "gpt", iters: int = 50, threads: int = 1) -> dict:
         times["hit"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "model": name,
+        "model": name + (" + custom Function" if opaque else ""),
         "nodes": num_nodes,
         "threads": threads,
         **{f"{k}_us": v * 1e6 for k, v in med.items()},
@@ -76,8 +91,9 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--model", default="gpt", choices=sorted(SUITE))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--opaque", action="store_true", help="pass the loss through a custom autograd.Function")
     args = p.parse_args(argv)
-    r = measure(args.model, args.iters, args.threads)
+    r = measure(args.model, args.iters, args.threads, args.opaque)
     print(f"model {r['model']}: {r['nodes']} autograd nodes, {r['threads']} thread(s), median of {args.iters} interleaved runs")
     print(f"{'':>10} {'us/backward':>12} {'us/node':>9} {'vs eager':>9}")
     for k in ("eager", "hit", "walk+key"):

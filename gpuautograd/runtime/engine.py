@@ -15,6 +15,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags
 from ..degrade import report
+from ..distributed import graph_task
 from ..capture.lower import Request, lower
 from ..capture.walk import release_saved, tensor_meta, walk
 from ..fusion.partition import plan_fusion
@@ -118,7 +119,19 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
         st.cache_hits += 1
     if entry.fallback_reason:
         raise Fallback(entry.fallback_reason)
+    if entry.opaque_nodes and not distributed.in_graph_task():
+        # A custom Function's backward expects to run inside an autograd graph task, as in eager:
+        # queue_callback, the task's keep_graph, checkpoint's check against .grad(), and reentrant
+        # backwards that the engine moves to a fresh thread when they nest deep. So a backward with
+        # an opaque node runs as the backward of a one-node graph. Measured with bench.hit_path
+        # --opaque (see bench/RESULTS.md), and only such backwards pay it.
+        body = functools.partial(_execute, w, entry, grads, retain_graph, inputs, accumulate, input_edges)
+        return graph_task.call_in_graph_task(body, keep_graph=retain_graph, accumulate=accumulate)
+    return _execute(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
 
+
+def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: bool, input_edges):
+    """Run the plan on this walk's tensors and deliver the gradients (the part after the lookup)."""
     saved, nodes = w.saved, w.nodes
     args = []
     for kind, i in entry.arg_plan:

@@ -17,7 +17,7 @@ from .. import distributed, flags
 from ..degrade import report
 from ..distributed import graph_task
 from ..capture.lower import Request, lower
-from ..capture.walk import release_saved, tensor_meta, walk
+from ..capture.walk import CPP, release_saved, tensor_meta, walk
 from ..fusion.partition import plan_fusion
 from ..ir.ops import get_op
 from ..ir.program import Program, Value
@@ -126,7 +126,11 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
         # an opaque node runs as the backward of a one-node graph. Measured with bench.hit_path
         # --opaque (see bench/RESULTS.md), and only such backwards pay it.
         body = functools.partial(_execute, w, entry, grads, retain_graph, inputs, accumulate, input_edges)
-        return graph_task.call_in_graph_task(body, keep_graph=retain_graph, accumulate=accumulate)
+        # A C++ node computes only the outputs the running graph task needs, and a grad()-like task
+        # (one with inputs) needs none of an opaque node's: then the task must be backward()-like.
+        # (Only checkpoint's refusal of .grad() tells them apart, and only for C++ opaque nodes.)
+        cpp_opaque = any(w.classes[i].kind == CPP for i in entry.opaque_nodes)
+        return graph_task.call_in_graph_task(body, keep_graph=retain_graph, accumulate=accumulate or cpp_opaque)
     return _execute(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
 
 

@@ -9,7 +9,9 @@ noise hits them alike; ratios are what to compare. Reported per iteration, media
   walk+key   the part of `hit` that is not running the ops: walking the graph, building and
              hashing the key, and looking the plan up
 `--opaque` passes the loss through a custom autograd.Function (an identity), so the backward has
-an opaque node: what a backward that runs a custom Function's backward costs.
+an opaque node: what a backward that runs a custom Function's backward costs. `--graph-task-ab`
+(with --opaque) measures, in alternating rounds, that backward run inside its one-node graph task
+(as gpuautograd runs it) and called directly (as it ran before), to price the graph task.
 """
 
 from __future__ import annotations
@@ -86,13 +88,30 @@ def measure(name: str = "gpt", iters: int = 50, threads: int = 1, opaque: bool =
     }
 
 
+def graph_task_ab(name: str, iters: int, rounds: int = 3) -> None:
+    """Alternate rounds with the engine's graph task and with a direct call of the same body."""
+    real = engine.graph_task.call_in_graph_task
+    direct = lambda body, **kw: body()  # noqa: E731 - what the engine did before the graph task
+    try:
+        for _ in range(rounds):
+            for how, fn in (("direct", direct), ("graph task", real)):
+                engine.graph_task.call_in_graph_task = fn
+                r = measure(name, iters, 1, opaque=True)
+                print(f"{r['model']}, {how:>10}: eager {r['eager_us']:8.1f} us, hit {r['hit_us']:8.1f} us, {r['hit_over_eager']:.2f}x")
+    finally:
+        engine.graph_task.call_in_graph_task = real
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--model", default="gpt", choices=sorted(SUITE))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--opaque", action="store_true", help="pass the loss through a custom autograd.Function")
+    p.add_argument("--graph-task-ab", action="store_true", help="price the graph task a backward with an opaque node runs in")
     args = p.parse_args(argv)
+    if args.graph_task_ab:
+        return graph_task_ab(args.model, args.iters)
     r = measure(args.model, args.iters, args.threads, args.opaque)
     print(f"model {r['model']}: {r['nodes']} autograd nodes, {r['threads']} thread(s), median of {args.iters} interleaved runs")
     print(f"{'':>10} {'us/backward':>12} {'us/node':>9} {'vs eager':>9}")

@@ -14,10 +14,10 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags
-from ..degrade import report
-from ..distributed import graph_task
 from ..capture.lower import Request, lower
 from ..capture.walk import CPP, release_saved, tensor_meta, walk
+from ..degrade import report
+from ..distributed import graph_task
 from ..fusion.partition import plan_fusion
 from ..ir.ops import get_op
 from ..ir.program import Program, Value

@@ -22,8 +22,8 @@ import threading
 import torch
 
 from .. import flags
-from ..degrade import report
 from ..codegen.compile import describe_error
+from ..degrade import report
 from ..fusion.heuristics import POINTER_ALIGNMENT
 from ..fusion.partition import FusionPlan
 from ..ir.program import Value

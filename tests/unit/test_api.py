@@ -200,7 +200,9 @@ def test_recaptures_are_bounded_under_one_stable_reason(monkeypatch, caplog):
     assert s["captures"] == 2
     (reason,) = s["fallbacks"]  # one reason for the three shapes over the limit: no count, no sizes in it
     assert s["fallbacks"][reason] == 3 and "GPUAUTOGRAD_RECAPTURE_LIMIT=2" in reason and "raise" in reason
-    assert [r.getMessage() for r in caplog.records if r.name == "gpuautograd"] == [f"gpuautograd falls back to eager torch.autograd: {reason}"]
+    assert [r.getMessage() for r in caplog.records if r.name == "gpuautograd"] == [
+        f"gpuautograd falls back to eager torch.autograd: {reason}"
+    ]
 
 
 def test_backend_names_are_checked(monkeypatch):

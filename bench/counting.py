@@ -1,10 +1,11 @@
-"""Counting what a backward launches.
+"""Counting what a backward launches: the one definition every benchmark and RESULTS.md uses.
 
-For torch ops (eager backward, the reference backend) the count is the aten ops dispatched while
-the backward runs, seen by a TorchDispatchMode, minus the ops that launch no kernel: views and
-other metadata ops (every output aliases an input, nothing is written: view, t, expand, detach,
-...) and bare allocations (empty, empty_strided, ...). On CUDA the kernels themselves can also be
-counted with the profiler (`count_cuda_kernels`).
+A launch is a kernel that does work on the device. For torch ops (eager backward, the reference
+backend) that is the aten ops dispatched while the backward runs, seen by a TorchDispatchMode,
+minus the ops that launch no kernel: views and other metadata ops (every output aliases an input,
+nothing is written: view, t, expand, detach, ...) and bare allocations (empty, empty_strided, ...).
+For a fused plan it is its generated kernels plus its library calls (`explain().launches`). On
+CUDA the kernels themselves can also be counted with the profiler (`count_cuda_kernels`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class AtenOpCounter(TorchDispatchMode):
             tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(a, torch.Tensor)]
             self.launching_bytes += sum(t.numel() * t.element_size() for t in tensors)
         return out
+
+
+def count_launches(fn: Callable[[], object]) -> int:
+    """Launches of torch ops while `fn` runs (views, detach and bare allocations excluded)."""
+    return count_aten_ops(fn).launching
 
 
 def count_aten_ops(fn: Callable[[], object]) -> AtenOpCounter:

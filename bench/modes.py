@@ -11,7 +11,7 @@ import torch
 import gpuautograd
 from gpuautograd import flags
 
-from .counting import count_aten_ops, count_cuda_kernels
+from .counting import count_cuda_kernels, count_launches
 
 COMPILED_AUTOGRAD = "compiled-autograd"
 
@@ -35,8 +35,7 @@ class Mode:
     def launches(self, forward, device: str) -> tuple[int | None, str]:
         """(count, how it was counted) or (None, why not) for one steady-state backward."""
         loss = forward()
-        counter = count_aten_ops(lambda: self.backward(loss))
-        return counter.launching, "aten ops dispatched (TorchDispatchMode), views and allocations excluded"
+        return count_launches(lambda: self.backward(loss)), "aten ops dispatched (TorchDispatchMode), views and allocations excluded"
 
     def end_model(self) -> None:
         """Called after each model: drop per-model compiled state."""

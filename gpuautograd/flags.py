@@ -1,6 +1,7 @@
 """Every environment flag of gpuautograd, in one place.
 
 Each flag is read when it is used, so tests and users can change the environment at run time.
+Each one validates its value: a bad one raises FlagError naming the flag and what it accepts.
 """
 
 from __future__ import annotations
@@ -10,43 +11,74 @@ import os
 BACKENDS = ("auto", "reference", "interpret", "triton", "cudagraph", "interpret-replay")
 
 
+class FlagError(ValueError):
+    """An environment flag holds a value it does not accept."""
+
+
 def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def _choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
+    value = _env(name, default)
+    if value not in accepted:
+        raise FlagError(f"{name}={value!r} is not valid; it accepts one of {', '.join(map(repr, accepted))}")
+    return value
+
+
+def _integer(name: str, default: int, low: int, high: int | None = None) -> int:
+    """An integer in [low, high] (high None: no upper bound)."""
+    text = _env(name, str(default))
+    accepts = f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}"
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise FlagError(f"{name}={text!r} is not valid; it accepts {accepts}") from None
+    if value < low or (high is not None and value > high):
+        raise FlagError(f"{name}={text!r} is out of range; it accepts {accepts}")
+    return value
+
+
 def backend() -> str:
     """GPUAUTOGRAD_BACKEND: the default backend ("auto" picks the best one for the device)."""
-    value = _env("GPUAUTOGRAD_BACKEND", "auto")
-    if value not in BACKENDS:
-        raise ValueError(f"GPUAUTOGRAD_BACKEND={value!r} is not one of {BACKENDS}")
-    return value
+    return _choice("GPUAUTOGRAD_BACKEND", "auto", BACKENDS)
 
 
 def debug_level() -> int:
     """GPUAUTOGRAD_DEBUG: 0 quiet, 1 cache misses and fallbacks, 2 also the program and the fused plan
     of each capture, 3 also every fusion decision with its reason."""
-    return int(_env("GPUAUTOGRAD_DEBUG", "0"))
+    return _integer("GPUAUTOGRAD_DEBUG", 0, 0, 3)
 
 
 def cache_size() -> int:
     """GPUAUTOGRAD_CACHE_SIZE: cached programs kept (least recently used ones are dropped)."""
-    return int(_env("GPUAUTOGRAD_CACHE_SIZE", "64"))
+    return _integer("GPUAUTOGRAD_CACHE_SIZE", 64, 1)
 
 
 def recapture_limit() -> int:
-    """GPUAUTOGRAD_RECAPTURE_LIMIT: recaptures of one graph structure before a warning says so."""
-    return int(_env("GPUAUTOGRAD_RECAPTURE_LIMIT", "8"))
+    """GPUAUTOGRAD_RECAPTURE_LIMIT: captures of one graph structure (with different sizes or
+    layouts) before its further variants run eagerly."""
+    return _integer("GPUAUTOGRAD_RECAPTURE_LIMIT", 8, 1)
 
 
 def dump_dir() -> str:
     """GPUAUTOGRAD_DUMP_DIR: when set, every generated Triton kernel is written to this directory."""
-    return _env("GPUAUTOGRAD_DUMP_DIR", "")
+    value = _env("GPUAUTOGRAD_DUMP_DIR", "")
+    if value and os.path.exists(value) and not os.path.isdir(value):
+        raise FlagError(f"GPUAUTOGRAD_DUMP_DIR={value!r} is not valid; it accepts a directory (or '' for none), and this is a file")
+    return value
 
 
 def max_segments() -> int:
     """GPUAUTOGRAD_MAX_SEGMENTS: captured segments one backward may have (opaque nodes split it);
-    beyond this the backward runs its fused kernels without graph replay, with a warning."""
-    return int(_env("GPUAUTOGRAD_MAX_SEGMENTS", "8"))
+    beyond this the backward runs its fused kernels without graph replay."""
+    return _integer("GPUAUTOGRAD_MAX_SEGMENTS", 8, 0)
+
+
+def warn_fallbacks() -> bool:
+    """GPUAUTOGRAD_WARN_FALLBACKS: 1 also raises a RuntimeWarning for each fallback or degradation
+    (once per reason); 0 (default) only logs it to the "gpuautograd" logger and counts it in stats()."""
+    return _choice("GPUAUTOGRAD_WARN_FALLBACKS", "0", ("0", "1")) == "1"
 
 
 EXTERN_BINDINGS = ("copy", "table")
@@ -56,7 +88,4 @@ def extern_binding() -> str:
     """GPUAUTOGRAD_EXTERN_BINDING: how a replayed matmul reads operands that change address:
     "copy" (default) copies them into static mirrors for cuBLAS inside the graph; "table" runs a
     Triton matmul that reads them from the pointer table (bench/extern_binding.py compares them)."""
-    value = _env("GPUAUTOGRAD_EXTERN_BINDING", "copy")
-    if value not in EXTERN_BINDINGS:
-        raise ValueError(f"GPUAUTOGRAD_EXTERN_BINDING={value!r} is not one of {EXTERN_BINDINGS}")
-    return value
+    return _choice("GPUAUTOGRAD_EXTERN_BINDING", "copy", EXTERN_BINDINGS)

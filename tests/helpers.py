@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,29 @@ def assert_close(actual, expected, dtype=None, msg=""):
     rtol, atol = TOLERANCES[dtype]
     # NaN where torch gives NaN is agreement; NaN anywhere else still fails
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{msg}\n{m}")
+
+
+class _Collect(logging.Handler):
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def gpuautograd_reports():
+    """The messages gpuautograd's "gpuautograd" logger records inside the block (its fallback and
+    degradation reports), as a list filled in as they come."""
+    messages: list[str] = []
+    handler = _Collect(messages)
+    logger = logging.getLogger("gpuautograd")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
 
 
 # Backends that run generated kernels: their gradients are also checked against the reference executor.

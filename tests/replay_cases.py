@@ -9,8 +9,10 @@ call's tensors.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -418,6 +420,50 @@ def bitwise_equal_to_the_unbound_plan(w: Where, name: str, unbound: str):
         model.zero_grad(set_to_none=True)
         twin.zero_grad(set_to_none=True)
     assert replays() == 2
+
+
+def concurrent_backwards_share_one_plan(w: Where, threads: int = 4, calls: int = 6, in_thread=contextlib.nullcontext):
+    """Several threads run backwards of one plan at once (each on its own copy of the model and its
+    own inputs): every gradient equals eager's for that thread's inputs. A plan whose table, arena
+    or env two calls shared unguarded would hand one thread another's pointers or intermediates.
+    `in_thread()`: a context each thread works in (on CUDA, a stream of its own)."""
+    base = mlp(w)
+    models = [copy.deepcopy(base) for _ in range(threads)]
+    with no_kernel_fallback():  # the first call captures (and warms up) the plan the threads share
+        gpuautograd.grad(loss_of(models[0], w.randn(4, 6)), list(models[0].parameters()), backend=w.backend)
+    start = threading.Barrier(threads)
+    failures: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            model = models[k]
+            params = list(model.parameters())
+            g = torch.Generator().manual_seed(100 + k)
+            start.wait()
+            with in_thread():
+                run_calls(model, params, g)
+        except BaseException as e:  # re-raised on the main thread, with the thread's traceback
+            failures.append(e)
+
+    def run_calls(model, params, g) -> None:
+        for _ in range(calls):
+            x = torch.randn(4, 6, generator=g, dtype=w.dtype).to(w.device)
+            expected = torch.autograd.grad(loss_of(model, x), params)
+            # (no warnings filter here: warnings.catch_warnings is not thread-safe; stats are checked below)
+            ours = gpuautograd.grad(loss_of(model, x), params, backend=w.backend)
+            for a, e in zip(ours, expected):
+                w.close(a, e)
+
+    workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    if failures:
+        raise failures[0]
+    s = gpuautograd.stats()
+    assert not s["fallbacks"] and not s["not_graphed"] and not s["kernel_fallbacks"], s
+    return s
 
 
 CASES = [

@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import linecache
 import os
-import warnings
 
 import torch
 
 from .. import flags
+from ..degrade import report
+from ..runtime import stats as stats_module
 from .kernel import KernelSource
 
 _FUNCTIONS: dict[str, object] = {}  # body hash -> the Python function of the kernel
@@ -102,7 +103,7 @@ def describe_error(e: BaseException) -> str:
 
 
 class Launcher:
-    """Launches one kernel; if compiling or launching fails, warns once and runs `fallback`
+    """Launches one kernel; if compiling or launching fails, reports it once and runs `fallback`
     (the kernel's instructions through the reference ops) from then on. Without a fallback (a
     kernel reading a pointer table has no tensors to hand one) the error propagates."""
 
@@ -130,11 +131,10 @@ class Launcher:
                 return self.launch(*args)
             except Exception as e:  # a compiler or launch error: keep the gradients right
                 self.failed = describe_error(e)
-                warnings.warn(
+                stats_module.STATS.kernel_fallbacks[self.ks.name] += 1
+                report(
                     f"gpuautograd: kernel {self.ks.name} ({self.ks.space}) failed ({self.failed}); "
-                    "its instructions run as reference torch ops instead",
-                    RuntimeWarning,
-                    stacklevel=3,
+                    "its instructions run as reference torch ops instead"
                 )
         n_in = len(self.ks.loads)
         self.fallback(args[:n_in], args[n_in : n_in + len(self.ks.stores)])

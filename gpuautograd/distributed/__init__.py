@@ -80,9 +80,15 @@ def run_engine(run, *args):
         return result
 
     try:
-        return graph_task.call_in_graph_task(body)
+        _roots, _grads, retain_graph, _inputs, accumulate, _backend = args
+        return graph_task.call_in_graph_task(body, keep_graph=retain_graph, accumulate=accumulate)
     finally:
         stack.pop()
+
+
+def in_graph_task() -> bool:
+    """Is a backward of this thread already running inside run_engine's graph task?"""
+    return bool(_frames.stack)
 
 
 def check_graph(w, root_edges, input_edges, accumulate: bool) -> None:

@@ -7,6 +7,8 @@ repeated indices sum their contributions (index_put with accumulate=True, scatte
 
 from __future__ import annotations
 
+import torch
+
 from .registry import register
 from .views import norm_dim, self_sizes_and_dim
 
@@ -32,9 +34,14 @@ def index_select_backward(b, node, grads):
         index = b.reshape(index, (1,))
     if len(sizes) == 0:  # a 0-d self: the output is 1 element (0-d or 1-d), the gradient 0-d
         return [b.reshape(grad, ())]
-    base = b.full(sizes, 0, grad.dtype, grad.device)
+    # Half and bfloat16 accumulate in float32 and round once: index_put's own accumulation rounds
+    # every add, which measured 4x eager's error against float64 (tests/unit/test_bf16_accuracy.py).
+    low = grad.dtype in (torch.float16, torch.bfloat16)
+    source = b.cast(grad, torch.float32) if low else grad
+    base = b.full(sizes, 0, source.dtype, grad.device)
     # index_add along dim == index_put with the index at dim and whole slices before it
-    return [b.index_put(base, [None] * dim + [index], grad, accumulate=True)]
+    out = b.index_put(base, [None] * dim + [index], source, accumulate=True)
+    return [b.cast(out, grad.dtype) if low else out]
 
 
 @register("GatherBackward0")

@@ -29,6 +29,7 @@ class Entry:
 
 
 STRUCTURES_KEPT = 1024  # graph structures remembered for miss diagnosis and recapture counts
+EVICTED_KEPT = 1024  # evicted keys remembered, so that capturing one again is known as thrash
 
 
 class PlanCache:
@@ -36,6 +37,8 @@ class PlanCache:
         self.entries: collections.OrderedDict[Any, Entry] = collections.OrderedDict()
         # structure -> (last full key captured, captures so far); oldest structures are forgotten
         self.structures: collections.OrderedDict[Any, tuple[Any, int]] = collections.OrderedDict()
+        # key of an evicted entry -> its fallback reason (None: it ran functionally); oldest forgotten
+        self.evicted: collections.OrderedDict[Any, str | None] = collections.OrderedDict()
 
     def note_capture(self, structure, key) -> tuple[Any, int]:
         """Record a capture of `key`; returns the previous key of that structure (or None) and the
@@ -49,17 +52,30 @@ class PlanCache:
     def get(self, key) -> Entry | None:
         entry = self.entries.get(key)
         if entry is not None:
-            self.entries.move_to_end(key)
+            try:
+                self.entries.move_to_end(key)
+            except KeyError:  # another thread's put evicted it just now; this call still has it
+                pass
         return entry
 
     def put(self, key, entry: Entry, limit: int) -> None:
         self.entries[key] = entry
         while len(self.entries) > limit:
-            self.entries.popitem(last=False)
+            old_key, old = self.entries.popitem(last=False)
+            self.evicted[old_key] = old.fallback_reason
+            while len(self.evicted) > EVICTED_KEPT:
+                self.evicted.popitem(last=False)
+
+    def take_evicted(self, key) -> tuple[bool, str | None]:
+        """(was `key` evicted, the fallback reason its entry had); forgets the eviction."""
+        if key not in self.evicted:
+            return False, None
+        return True, self.evicted.pop(key)
 
     def clear(self) -> None:
         self.entries.clear()
         self.structures.clear()
+        self.evicted.clear()
 
 
 def structure_of(key) -> tuple:

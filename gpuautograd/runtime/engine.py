@@ -9,14 +9,15 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
-import warnings
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags
 from ..capture.lower import Request, lower
-from ..capture.walk import release_saved, tensor_meta, walk
+from ..capture.walk import CPP, release_saved, tensor_meta, walk
+from ..degrade import report
+from ..distributed import graph_task
 from ..fusion.partition import plan_fusion
 from ..ir.ops import get_op
 from ..ir.program import Program, Value
@@ -119,7 +120,23 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
         st.cache_hits += 1
     if entry.fallback_reason:
         raise Fallback(entry.fallback_reason)
+    if entry.opaque_nodes and not distributed.in_graph_task():
+        # A custom Function's backward expects to run inside an autograd graph task, as in eager:
+        # queue_callback, the task's keep_graph, checkpoint's check against .grad(), and reentrant
+        # backwards that the engine moves to a fresh thread when they nest deep. So a backward with
+        # an opaque node runs as the backward of a one-node graph. Measured with bench.hit_path
+        # --opaque (see bench/RESULTS.md), and only such backwards pay it.
+        body = functools.partial(_execute, w, entry, grads, retain_graph, inputs, accumulate, input_edges)
+        # A C++ node computes only the outputs the running graph task needs, and a grad()-like task
+        # (one with inputs) needs none of an opaque node's: then the task must be backward()-like.
+        # (Only checkpoint's refusal of .grad() tells them apart, and only for C++ opaque nodes.)
+        cpp_opaque = any(w.classes[i].kind == CPP for i in entry.opaque_nodes)
+        return graph_task.call_in_graph_task(body, keep_graph=retain_graph, accumulate=accumulate or cpp_opaque)
+    return _execute(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
 
+
+def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: bool, input_edges):
+    """Run the plan on this walk's tensors and deliver the gradients (the part after the lookup)."""
     saved, nodes = w.saved, w.nodes
     args = []
     for kind, i in entry.arg_plan:
@@ -155,20 +172,38 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
     return None if accumulate else results
 
 
+RECAPTURE_LIMIT_PREFIX = "one graph structure was captured GPUAUTOGRAD_RECAPTURE_LIMIT="
+RECAPTURE_LIMIT_REASON = RECAPTURE_LIMIT_PREFIX + (
+    "{limit} times, with different sizes or layouts (stats()['miss_reasons'] names the guards that changed); "
+    "raise GPUAUTOGRAD_RECAPTURE_LIMIT to capture more"
+)
+CACHE_THRASH_REPORT = (
+    "gpuautograd's plan cache thrashes: the backwards in use need more than GPUAUTOGRAD_CACHE_SIZE={size} plans, "
+    "so evicted ones are captured again (correct, but slow); raise GPUAUTOGRAD_CACHE_SIZE"
+)
+
+
 def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
     st = stats_module.STATS
-    previous, count = CACHE.note_capture(structure_of(key), key)
-    reason = explain_miss(previous, key, w.classes) if previous is not None else "new graph structure"
-    st.record_miss(reason)
-    if flags.debug_level() >= 1:
-        print(f"[gpuautograd] cache miss: {reason}")
-    if count > flags.recapture_limit():
-        limit_reason = (
-            f"recaptured {count - 1} times for one graph structure (last: {reason}); set GPUAUTOGRAD_RECAPTURE_LIMIT to allow more"
-        )
-        entry = Entry(program=None, compiled=None, fallback_reason=limit_reason)
-        CACHE.put(key, entry, flags.cache_size())
-        return entry
+    evicted, evicted_reason = CACHE.take_evicted(key)
+    if evicted:
+        # The cache, not the shapes, dropped this plan: capture it again without spending the
+        # structure's recapture budget, so a small cache never turns into a permanent fallback.
+        st.record_miss("captured again: the plan cache had evicted it")
+        st.cache_thrash += 1
+        report(CACHE_THRASH_REPORT.format(size=flags.cache_size()))
+        if evicted_reason is not None and evicted_reason.startswith(RECAPTURE_LIMIT_PREFIX):
+            return _put(key, Entry(program=None, compiled=None, fallback_reason=evicted_reason))
+    else:
+        previous, count = CACHE.note_capture(structure_of(key), key)
+        reason = explain_miss(previous, key, w.classes) if previous is not None else "new graph structure"
+        st.record_miss(reason)
+        if flags.debug_level() >= 1:
+            print(f"[gpuautograd] cache miss: {reason}")
+        limit = flags.recapture_limit()
+        if count > limit:
+            # a stable reason (no count, no sizes): it is reported once and counted under one name
+            return _put(key, Entry(program=None, compiled=None, fallback_reason=RECAPTURE_LIMIT_REASON.format(limit=limit)))
     st.captures += 1
     entry = build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
     if flags.debug_level() >= 2 and entry.program is not None:
@@ -177,6 +212,10 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
             print(f"[gpuautograd] fused plan ({entry.compiled.launches} launches):\n{entry.compiled.source}")
     if flags.debug_level() >= 3 and isinstance(entry.compiled, FusedProgram):
         print("[gpuautograd] fusion decisions:\n" + "\n".join(entry.compiled.plan.decisions))
+    return _put(key, entry)
+
+
+def _put(key, entry: Entry) -> Entry:
     CACHE.put(key, entry, flags.cache_size())
     return entry
 
@@ -246,12 +285,9 @@ def owned_outputs(program: Program) -> list[bool]:
 
 
 def warn_fallback(reason: str) -> None:
-    """Count the fallback; warn once per reason (until gpuautograd.reset())."""
-    st = stats_module.STATS
-    st.fallbacks[reason] += 1
-    if reason not in st.warned:
-        st.warned.add(reason)
-        warnings.warn(f"gpuautograd falls back to eager torch.autograd: {reason}", RuntimeWarning, stacklevel=4)
+    """Count the fallback; report it once per reason (a log record; a warning only on request)."""
+    stats_module.STATS.fallbacks[reason] += 1
+    report(f"gpuautograd falls back to eager torch.autograd: {reason}")
 
 
 __all__ = ["run", "prepare", "Fallback", "CACHE", "build_entry", "warn_fallback"]

@@ -11,19 +11,19 @@ per group, and replays the segments with the eager steps between them. On the CP
 Every call checks what the captured code assumes: a pointer promised 16-byte aligned still is, a
 parameter read in place has not moved (it recaptures once, then is mirrored), an eager step's
 result keeps its layout. A plan that can't keep them runs its fused kernels unbound from then on,
-with a warning.
+and says so once (gpuautograd.degrade).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
-import warnings
+import threading
 
 import torch
 
 from .. import flags
 from ..codegen.compile import describe_error
+from ..degrade import report
 from ..fusion.heuristics import POINTER_ALIGNMENT
 from ..fusion.partition import FusionPlan
 from ..ir.program import Value
@@ -70,14 +70,6 @@ class EagerStepError(Exception):
     """The user's code in an eager step raised (its exception is the cause): not this plan's fault."""
 
 
-def _user_stacklevel() -> int:
-    """The stacklevel that points a warning at the first frame outside gpuautograd."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("gpuautograd"):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 class BoundProgram(FusedProgram):
     """Runs the bound plan: the first call warms up (on a side stream on CUDA) and, on CUDA,
     captures one graph per segment; every later call fills the table and replays."""
@@ -120,6 +112,14 @@ class BoundProgram(FusedProgram):
         self.layouts: dict[str, tuple] = {}  # eager result -> (shape, stride, dtype) seen at warm-up
         self.replays = 0
         self.fallback = None  # the plain fused program, once this plan turned out not to be replayable
+        # One table, one arena and one env serve every call, and a CUDA graph replays at the
+        # addresses it was captured with, so two calls at once would overwrite each other's
+        # pointers and intermediates. Per-thread state would mean a table, an arena and captured
+        # graphs per thread (memory and capture time multiplied) for what is rare; so calls of one
+        # plan take turns (uncontended, the lock costs well under a microsecond), and calls of
+        # different plans still overlap.
+        self.lock = threading.Lock()
+        self.done = None  # CUDA: an event after the last call's work, which the next call waits for
 
     def _fresh_values(self) -> list[Value]:
         names = self.writer.fresh_kernel | self.writer.fresh_library
@@ -146,10 +146,29 @@ class BoundProgram(FusedProgram):
     # -- one call ------------------------------------------------------------------------------------
 
     def __call__(self, args: list):
-        if self.fallback is not None:
-            return self.fallback(args)
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+        fallback = self.fallback
+        if fallback is not None:  # the plain fused program allocates per call: no turns needed
+            return fallback(args)
+        with self.lock:
+            if self.fallback is not None:  # another call gave up while this one waited
+                return self.fallback(args)
+            if self.device.type != "cuda":
+                return self._call(args)
+            with torch.cuda.device(self.device):
+                return self._serialized_on_gpu(args)
+
+    def _serialized_on_gpu(self, args: list):
+        """The lock orders the host side; the event orders the GPU side, since the previous caller
+        may have queued its replay on another stream."""
+        stream = torch.cuda.current_stream(self.device)
+        if self.done is not None:
+            stream.wait_event(self.done)
+        try:
             return self._call(args)
+        finally:
+            if self.table is not None:  # still bound (a give-up releases the plan)
+                self.done = torch.cuda.Event()
+                self.done.record(stream)
 
     def _call(self, args: list):
         D = dict(zip(self.input_names, args))
@@ -416,11 +435,7 @@ def bound_or_fused(plan: FusionPlan, interpret: bool):
 
 def unbound(plan: FusionPlan, interpret: bool, reason: str) -> FusedProgram:
     stats_module.STATS.not_graphed[reason] += 1
-    warnings.warn(
-        f"gpuautograd: this backward is not graphed ({reason}); it runs the fused kernels without replay",
-        RuntimeWarning,
-        stacklevel=_user_stacklevel(),
-    )
+    report(f"gpuautograd: this backward is not graphed ({reason}); it runs the fused kernels without replay")
     return _Writer(plan, interpret).write()
 
 

@@ -16,11 +16,13 @@ class Stats:
     miss_reasons: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MISS_REASONS_KEPT))
     fallbacks: collections.Counter = field(default_factory=collections.Counter)  # reason -> count
     pass_seconds: dict[str, float] = field(default_factory=dict)
-    warned: set[str] = field(default_factory=set)  # fallback reasons already warned about
+    warned: set[str] = field(default_factory=set)  # degradation messages already reported (gpuautograd.degrade)
     graph_captures: int = 0  # CUDA graphs captured (one per segment of a bound plan)
     replays: int = 0  # calls of a bound plan after its first
     not_graphed: collections.Counter = field(default_factory=collections.Counter)  # reason -> plans
     conformed: int = 0  # eager-step results copied into the layout the captured segments read
+    kernel_fallbacks: collections.Counter = field(default_factory=collections.Counter)  # kernel -> plans running it as reference ops
+    cache_thrash: int = 0  # captures of a key the plan cache had evicted (the working set exceeds GPUAUTOGRAD_CACHE_SIZE)
 
     def record_miss(self, reason: str) -> None:
         """`reason`: the guard that failed, in words."""
@@ -39,6 +41,8 @@ class Stats:
             "replays": self.replays,
             "not_graphed": dict(self.not_graphed),
             "conformed": self.conformed,
+            "kernel_fallbacks": dict(self.kernel_fallbacks),
+            "cache_thrash": self.cache_thrash,
         }
 
 

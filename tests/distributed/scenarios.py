@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gpuautograd
 from gpuautograd.tolerances import TOLERANCES
+from tests.helpers import gpuautograd_reports
 
 DTYPE = torch.float64
 D_IN = 6
@@ -103,10 +103,15 @@ def assert_functional(what: str) -> None:
 
 
 def fallback_messages(fn) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    """The fallback reasons `fn()` logged (to the "gpuautograd" logger) and counted in stats()."""
+    before = dict(gpuautograd.stats()["fallbacks"])
+    with gpuautograd_reports() as messages:
         fn()
-    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "gpuautograd" in str(w.message)]
+    counted = [r for r, n in gpuautograd.stats()["fallbacks"].items() if n > before.get(r, 0)]
+    logged = [m for m in messages if "falls back" in m]
+    # each reason is logged once per process: a reason counted now was logged now or before
+    assert len(logged) <= len(counted) and all(any(r in m for r in counted) for m in logged), (counted, logged)
+    return counted
 
 
 # --- supported: gpuautograd drives DDP's reducer ------------------------------------------------

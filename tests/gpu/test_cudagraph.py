@@ -7,6 +7,8 @@ streams, and a host that runs ahead of the GPU.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -125,3 +127,12 @@ def test_no_activation_is_copied_for_generated_kernels():
         x = torch.randn(4096, device="cuda", requires_grad=True)
         GPU.backward((x.sin() * x.exp()).sum())
         assert_close(x.grad, x.cos() * x.exp() + x.sin() * x.exp(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("streams", ["current stream", "a stream per thread"])
+def test_concurrent_backwards_of_one_graph_match_eager(streams):
+    in_thread = (lambda: torch.cuda.stream(torch.cuda.Stream())) if streams == "a stream per thread" else contextlib.nullcontext
+    s = rc.concurrent_backwards_share_one_plan(GPU, threads=4, calls=10, in_thread=in_thread)
+    (program,) = rc.bound_programs()
+    recaptures = sum(r.startswith("recapture") for r in s["miss_reasons"])
+    assert program.replays == s["replays"] and s["replays"] + recaptures == 4 * 10, s

@@ -3,13 +3,15 @@ warning, and the gradients stay torch.autograd's."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import gpuautograd
 from gpuautograd.codegen import compile as kernel_compile
-from tests.helpers import assert_close
+from tests.helpers import assert_close, gpuautograd_reports
 
 
 def _model():
@@ -27,7 +29,7 @@ def _eager_grads():
 
 
 @pytest.mark.parametrize("stage", ["compile", "launch"])
-def test_a_failing_kernel_falls_back_to_reference_ops_with_one_warning(monkeypatch, stage):
+def test_a_failing_kernel_falls_back_to_reference_ops_with_one_report(monkeypatch, stage):
     expected = _eager_grads()
     broken = "k1"
     if stage == "compile":
@@ -51,17 +53,17 @@ def test_a_failing_kernel_falls_back_to_reference_ops_with_one_warning(monkeypat
 
     params, loss_fn = _model()
     assert broken in [k.name for k in gpuautograd.explain(loss_fn(), backend="interpret").kernels]
-    with pytest.warns(RuntimeWarning, match=f"kernel {broken} .* failed .*injected {stage} error"):
+    with gpuautograd_reports() as messages:
         gpuautograd.backward(loss_fn(), backend="interpret")
+    assert len(messages) == 1 and re.search(f"kernel {broken} .* failed .*injected {stage} error", messages[0]), messages
+    assert gpuautograd.stats()["kernel_fallbacks"] == {broken: 1}
     for p, e in zip(params, expected):
         assert_close(p.grad, e)
-    # the second backward reuses the plan: no new warning, still right
+    # the second backward reuses the plan: no new report, still right
     for p in params:
         p.grad = None
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with gpuautograd_reports() as messages:
         gpuautograd.backward(loss_fn(), backend="interpret")
+    assert not messages and gpuautograd.stats()["kernel_fallbacks"] == {broken: 1}
     for p, e in zip(params, expected):
         assert_close(p.grad, e)

@@ -49,13 +49,40 @@ def test_gate_passes_improvements_and_changes_within_the_tolerance(tmp_path, cap
     assert _gate(tmp_path, base, new, tolerance="0.05") == 1
 
 
-def test_gate_reports_rows_present_in_one_file_only_without_failing(tmp_path, capsys):
-    base = [_row("gpt", "gpuautograd:reference", 0.5), _row("cnn", "gpuautograd:reference", 0.5)]
+def test_gate_reports_new_rows_and_vanished_ungated_rows_without_failing(tmp_path, capsys):
+    base = [_row("gpt", "gpuautograd:reference", 0.5), _row("cnn", "compiled-autograd", 0.5)]
     new = [_row("gpt", "gpuautograd:reference", 0.5), _row("llama", "gpuautograd:triton", 3.0)]
     assert _gate(tmp_path, base, new) == 0
     out = capsys.readouterr().out
-    assert "only in the baseline: cnn / gpuautograd:reference" in out
+    assert "only in the baseline: cnn / compiled-autograd" in out
     assert "only in the new run: llama / gpuautograd:triton" in out
+
+
+def test_gate_fails_when_a_gated_mode_vanished(tmp_path, capsys):
+    base = [_row("gpt", "gpuautograd:reference", 0.5), _row("cnn", "gpuautograd:reference", 0.5)]
+    new = [_row("gpt", "gpuautograd:reference", 0.5)]
+    assert _gate(tmp_path, base, new) == 1
+    out = capsys.readouterr().out
+    assert "BROKEN: cnn / gpuautograd:reference: measured in the baseline, missing from the new run" in out
+    assert "FAILED" in out
+
+
+@pytest.mark.parametrize("status", ["error", "skipped"])
+def test_gate_fails_when_a_gated_mode_now_errors_or_is_skipped(tmp_path, capsys, status):
+    base = [_row("gpt", "gpuautograd:reference", 0.5), _row("mlp", "gpuautograd:reference", 0.4)]
+    broken = dict(_row("mlp", "gpuautograd:reference", None), status=status, reason="capture raised KeyError")
+    assert _gate(tmp_path, base, [_row("gpt", "gpuautograd:reference", 0.5), broken]) == 1
+    out = capsys.readouterr().out
+    assert f"BROKEN: mlp / gpuautograd:reference: measured in the baseline, {status} in the new run (capture raised KeyError)" in out
+
+
+def test_gate_fails_when_nothing_gated_was_compared(tmp_path, capsys):
+    base = [_row("gpt", "gpuautograd:reference", 0.5)]
+    broken = dict(_row("gpt", "gpuautograd:reference", None), status="error", reason="import failed")
+    assert _gate(tmp_path, base, [broken]) == 1
+    assert _gate(tmp_path, [], []) == 1
+    out = capsys.readouterr().out
+    assert "nothing was gated" in out and "passed" not in out
 
 
 def test_gate_fails_when_gradients_start_to_disagree(tmp_path, capsys):
@@ -66,8 +93,8 @@ def test_gate_fails_when_gradients_start_to_disagree(tmp_path, capsys):
 
 
 def test_gate_shows_but_does_not_gate_modes_other_than_gpuautograd(tmp_path, capsys):
-    base = [_row("mlp", "compiled-autograd", 0.8)]
-    new = [_row("mlp", "compiled-autograd", 0.4)]
+    base = [_row("mlp", "compiled-autograd", 0.8), _row("mlp", "gpuautograd:reference", 0.4)]
+    new = [_row("mlp", "compiled-autograd", 0.4), _row("mlp", "gpuautograd:reference", 0.4)]
     assert _gate(tmp_path, base, new) == 0
     assert "regression (not gated)" in capsys.readouterr().out
 

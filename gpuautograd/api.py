@@ -16,7 +16,7 @@ import torch
 import torch.autograd as _autograd
 
 from . import distributed
-from .capture import hooks
+from .capture import hooks, native_walk
 from .ir.ops import get_op
 from .ir.program import Program
 from .runtime import engine
@@ -352,6 +352,7 @@ def stats() -> dict:
     """Captures, cache hits, cache misses with the guard that failed, fallbacks with their reason."""
     out = _stats.STATS.snapshot()
     out["cached_programs"] = len(engine.CACHE.entries)
+    out["walker"] = out["walker"] or native_walk.current()  # before any backward: the one it would use
     return out
 
 

@@ -60,3 +60,16 @@ def extern_binding() -> str:
     if value not in EXTERN_BINDINGS:
         raise ValueError(f"GPUAUTOGRAD_EXTERN_BINDING={value!r} is not one of {EXTERN_BINDINGS}")
     return value
+
+
+NATIVE_MODES = ("auto", "0", "1")
+
+
+def native() -> str:
+    """GPUAUTOGRAD_NATIVE: "auto" (default) builds the native walker on first use and falls back to
+    the Python walk with a warning when that fails; "0" always runs the Python walk; "1" makes a
+    failed build an error."""
+    value = _env("GPUAUTOGRAD_NATIVE", "auto")
+    if value not in NATIVE_MODES:
+        raise ValueError(f"GPUAUTOGRAD_NATIVE={value!r} is not one of {NATIVE_MODES}")
+    return value

@@ -85,6 +85,12 @@ def run_engine(run, *args):
         stack.pop()
 
 
+def active() -> bool:
+    """Whether a backward under an initialized process group is running (its walk must be the
+    Python one, which `ddp.plan` reads)."""
+    return bool(_frames.stack)
+
+
 def check_graph(w, root_edges, input_edges, accumulate: bool) -> None:
     """Called by the engine after the walk. Plans the reducer hooks of this backward, or raises
     the engine's Fallback when a leaf may carry hooks gpuautograd can't run."""
@@ -100,4 +106,4 @@ def check_graph(w, root_edges, input_edges, accumulate: bool) -> None:
     frame.hooks = result
 
 
-__all__ = ["install", "global_fallback_reason", "run_engine", "check_graph"]
+__all__ = ["install", "global_fallback_reason", "run_engine", "active", "check_graph"]

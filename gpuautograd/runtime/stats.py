@@ -21,6 +21,8 @@ class Stats:
     replays: int = 0  # calls of a bound plan after its first
     not_graphed: collections.Counter = field(default_factory=collections.Counter)  # reason -> plans
     conformed: int = 0  # eager-step results copied into the layout the captured segments read
+    walker: str | None = None  # "native" or "python": the walk of the latest backward
+    python_walks: collections.Counter = field(default_factory=collections.Counter)  # why the native walker passed, per graph
 
     def record_miss(self, reason: str) -> None:
         """`reason`: the guard that failed, in words."""
@@ -39,6 +41,8 @@ class Stats:
             "replays": self.replays,
             "not_graphed": dict(self.not_graphed),
             "conformed": self.conformed,
+            "walker": self.walker,
+            "python_walks": dict(self.python_walks),
         }
 
 

@@ -280,3 +280,32 @@ def test_no_compiler_is_a_named_reason(fresh_native_state, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler .'no-such-compiler-here'. is on PATH"):
         assert native.load() is None
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_a_nested_tensor_graph_falls_back_with_the_reason(monkeypatch):
+    _native_only(monkeypatch)
+    nt = torch.nested.nested_tensor([torch.randn(2, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)], requires_grad=True)
+
+    def loss():
+        return torch.cat([t.sum().reshape(1) for t in (nt * 2.0).sin().unbind()]).sum()
+
+    with pytest.warns(RuntimeWarning, match="a nested tensor"):
+        gpuautograd.backward(loss())
+    ours = [g.clone() for g in nt.grad.unbind()]
+    nt.grad = None
+    loss().backward()
+    for a, e in zip(ours, nt.grad.unbind()):
+        assert_close(a, e)
+
+
+def test_the_build_lives_in_a_cache_keyed_by_torch_and_the_source(monkeypatch):
+    _native_only(monkeypatch)
+    import os
+
+    tag = native._tag()
+    assert torch.__version__.replace("+", "_").replace(".", "_") in tag
+    final = os.path.join(native.cache_root(), tag)
+    assert any(f.startswith(f"gpuautograd_native_{tag}") for f in os.listdir(final))
+    # a build in progress lives in a dot-directory renamed into place when done: none is left over
+    assert not [d for d in os.listdir(native.cache_root()) if d.startswith(f".{tag}-")]

@@ -38,6 +38,7 @@ enum Tag : uint8_t {
 
 class KeyWriter {
  public:
+  KeyWriter() { bytes_.reserve(16384); }
   template <typename T>
   void put(const T& value) {
     bytes_.append(reinterpret_cast<const char*>(&value), sizeof(T));
@@ -177,7 +178,7 @@ class NativeWalk {
   }
 
   void visit(size_t i) {
-    // Hold a reference: discover() may reallocate nodes_.
+    // A copy, not a reference into nodes_: discover() may reallocate it.
     c10::intrusive_ptr<Node> node = nodes_[i];
     key_.put(kNode);
     put_edges(*node);
@@ -284,8 +285,10 @@ class NativeWalk {
     size_t sizes_before = compiler_.all_size_inputs.size();
     size_t lifted_before = compiler_.lifted_ivalue_args.args.size();
     size_t hooks_before = compiler_.hooks.size();
-    auto& call = compiler_.node_calls.lookup(node);
-    ca::CompiledNodeArgs args(compiler_, call);
+    // One NodeCall for every node: compiled_args reads only its node (to unpack saved outputs),
+    // and a map entry per node would cost an allocation each.
+    call_.node = node;
+    ca::CompiledNodeArgs args(compiler_, call_);
     try {
       node->compiled_args(args);
     } catch (const c10::NotImplementedError& e) {
@@ -347,6 +350,7 @@ class NativeWalk {
   std::vector<c10::intrusive_ptr<Node>> nodes_;
   std::unordered_map<const Node*, int64_t> index_;
   ca::AutogradCompilerCall compiler_;
+  ca::NodeCall call_{0, c10::intrusive_ptr<Node>()};
   KeyWriter key_;
   py::list root_edges_;
   py::list input_edges_;

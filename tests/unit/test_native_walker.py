@@ -309,3 +309,12 @@ def test_the_build_lives_in_a_cache_keyed_by_torch_and_the_source(monkeypatch):
     assert any(f.startswith(f"gpuautograd_native_{tag}") for f in os.listdir(final))
     # a build in progress lives in a dot-directory renamed into place when done: none is left over
     assert not [d for d in os.listdir(native.cache_root()) if d.startswith(f".{tag}-")]
+
+
+def test_explain_names_a_hook_only_the_native_walker_sees(monkeypatch):
+    _native_only(monkeypatch)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    y = x.exp()
+    y.grad_fn.register_prehook(lambda gout: None)
+    report = gpuautograd.explain(y.sum())
+    assert report.program is None and "pre-hook is registered on autograd node ExpBackward0" in report.fallback_reason

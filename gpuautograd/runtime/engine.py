@@ -197,9 +197,14 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
     st.captures += 1
     entry = build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
     if native_w is not None and entry.program is not None:
-        perm = native_walk.saved_permutation(native_w, w)
-        entry.arg_plan = [(kind, perm[i]) if kind == "saved" else (kind, i) for kind, i in entry.arg_plan]
-        entry.keepalive = py_key  # holds the Python classes whose addresses the native key names
+        try:
+            perm = native_walk.saved_permutation(native_w, w)
+        except RuntimeError as e:  # never guess an argument: this graph runs eagerly, and says why
+            reason = f"the native walker's saved tensors don't line up with the Python walk's ({e}); GPUAUTOGRAD_NATIVE=0 runs it functionally"
+            entry = Entry(program=None, compiled=None, fallback_reason=reason)
+        else:
+            entry.arg_plan = [(kind, perm[i]) if kind == "saved" else (kind, i) for kind, i in entry.arg_plan]
+            entry.keepalive = py_key  # holds the Python classes whose addresses the native key names
     if flags.debug_level() >= 2 and entry.program is not None:
         print(f"[gpuautograd] captured program:\n{entry.program}")
         if isinstance(entry.compiled, FusedProgram):

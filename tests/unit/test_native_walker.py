@@ -318,3 +318,21 @@ def test_explain_names_a_hook_only_the_native_walker_sees(monkeypatch):
     y.grad_fn.register_prehook(lambda gout: None)
     report = gpuautograd.explain(y.sum())
     assert report.program is None and "pre-hook is registered on autograd node ExpBackward0" in report.fallback_reason
+
+
+def test_saved_tensors_that_do_not_line_up_run_eagerly_with_the_reason(monkeypatch):
+    _native_only(monkeypatch)
+    from gpuautograd.capture import native_walk
+
+    def mismatch(w, pw):
+        raise RuntimeError("saved slot 0: the native walk's tensor 1 is not the Python walk's")
+
+    monkeypatch.setattr(native_walk, "saved_permutation", mismatch)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="don't line up with the Python walk's .saved slot 0"):
+        gpuautograd.backward((x.sin() * x).sum())
+    assert_close(x.grad, (x.cos() * x + x.sin()).detach())
+    x.grad = None
+    gpuautograd.backward((x.sin() * x).sum())  # a hit of the cached fallback: warned once already
+    assert_close(x.grad, (x.cos() * x + x.sin()).detach())
+    assert sum(gpuautograd.stats()["fallbacks"].values()) == 2

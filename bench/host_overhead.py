@@ -174,7 +174,8 @@ def main(argv=None) -> dict:
         from gpuautograd import native
 
         print(f"(the native walker is unavailable: {native.reason()}; Python walk only)")
-    print(f"{'model':8} {'nodes':>5} {'walker':>7} {'eager µs':>9} {'replay µs':>10} {'walk+key µs':>12} {'replay/eager':>13} {'walk+key/eager':>15}")
+    header = f"{'model':8} {'nodes':>5} {'walker':>7} {'eager µs':>9} {'replay µs':>10} {'walk+key µs':>12}"
+    print(f"{header} {'replay/eager':>13} {'walk+key/eager':>15}")
     for r in rows:
         u = r["us_per_node"]
         for w in walkers:

@@ -28,7 +28,10 @@ from .. import flags
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "walker.cpp")
 BUILDING = "building gpuautograd's native walker, about a minute, once"
-LOST = "the hit path is slower (5-10 µs per autograd node) and hooks on C++ autograd nodes (grad_fn.register_hook, register_prehook) go unseen"
+LOST = (
+    "the hit path is slower (5-10 µs per autograd node) and hooks on C++ autograd nodes "
+    "(grad_fn.register_hook, register_prehook) go unseen"
+)
 
 
 class _State:

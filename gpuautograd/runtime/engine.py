@@ -15,8 +15,8 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags
-from ..capture.lower import Request, lower
 from ..capture import native_walk
+from ..capture.lower import Request, lower
 from ..capture.native_walk import NATIVE, PYTHON
 from ..capture.walk import release_saved, tensor_meta, walk
 from ..fusion.partition import plan_fusion
@@ -200,7 +200,8 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
         try:
             perm = native_walk.saved_permutation(native_w, w)
         except RuntimeError as e:  # never guess an argument: this graph runs eagerly, and says why
-            reason = f"the native walker's saved tensors don't line up with the Python walk's ({e}); GPUAUTOGRAD_NATIVE=0 runs it functionally"
+            reason = f"the native walker's saved tensors don't line up with the Python walk's ({e}); "
+            reason += "with GPUAUTOGRAD_NATIVE=0 this graph runs functionally"
             entry = Entry(program=None, compiled=None, fallback_reason=reason)
         else:
             entry.arg_plan = [(kind, perm[i]) if kind == "saved" else (kind, i) for kind, i in entry.arg_plan]

@@ -1,6 +1,6 @@
 """Host cost of a cache hit, per autograd node, next to eager backward of the same model.
 
-    python -m bench.hit_path [--iters N] [--model gpt|mlp|llama|cnn] [--phases] [--opaque]
+    python -m bench.hit_path [--iters N] [--model gpt|mlp|llama|cnn] [--json] [--phases] [--opaque]
 
 Every figure comes from one run with the variants interleaved iteration by iteration, so machine
 noise hits them alike; ratios are what to compare. Reported per iteration, median of N:
@@ -8,9 +8,10 @@ noise hits them alike; ratios are what to compare. Reported per iteration, media
   hit        gpuautograd.backward(loss) on a cache hit (walk + key + bind + run + accumulate)
   walk+key   the part of `hit` that is not running the ops: walking the graph, building and
              hashing the key, and looking the plan up
+Each of `hit` and `walk+key` is measured with the native walker and with the Python walk.
 --phases splits a hit into its steps instead, in this thread's CPU time (steady when other
 processes take the cores): walk+key, bind+release (the argument list, releasing the saved
-tensors as eager does), run (the compiled program) and deliver (.grad accumulation).
+tensors as eager does), run (the compiled program) and deliver (.grad accumulation), per walker.
 `--opaque` passes the loss through a custom autograd.Function (an identity), so the backward has
 an opaque node: what a backward that runs a custom Function's backward costs. `--graph-task-ab`
 (with --opaque) measures, in alternating rounds, that backward run inside its one-node graph task
@@ -21,16 +22,17 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import time
 
 import torch
 
 import gpuautograd
-from gpuautograd.capture.walk import release_saved
 from gpuautograd.runtime import engine
 from gpuautograd.runtime.accumulate import AddInPlace, accumulate_grad
 
+from .host_overhead import WALKERS, available_walkers, walker_env
 from .models import SUITE
 
 
@@ -52,58 +54,64 @@ def _forward(model, make_batch, loss_fn, batch, opaque=False):
     return _Identity.apply(loss) if opaque else loss
 
 
-def measure(name: str = "gpt", iters: int = 50, threads: int = 1, opaque: bool = False) -> dict:
+def measure(name: str = "gpt", iters: int = 50, threads: int = 1, walkers=WALKERS, opaque: bool = False) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, make_batch, loss_fn = SUITE[name]()
     batch = make_batch(torch.Generator().manual_seed(0))
     loss = _forward(model, make_batch, loss_fn, batch, opaque)
     num_nodes = gpuautograd.explain(loss).num_nodes
-    gpuautograd.backward(loss)  # capture
-    times = {"eager": [], "hit": [], "walk+key": []}
+    for walker in walkers:  # capture: each walker keys its own plan
+        with walker_env(walker):
+            gpuautograd.backward(_forward(model, make_batch, loss_fn, batch, opaque))
+    times = {"eager": []}
+    for walker in walkers:
+        times[f"hit[{walker}]"], times[f"walk+key[{walker}]"] = [], []
     for _ in range(iters):
         model.zero_grad(set_to_none=True)
         loss = _forward(model, make_batch, loss_fn, batch, opaque)
         t0 = time.perf_counter()
         loss.backward()
         times["eager"].append(time.perf_counter() - t0)
-
-        model.zero_grad(set_to_none=True)
-        loss = _forward(model, make_batch, loss_fn, batch, opaque)
-        gc.disable()  # as engine.run does around the walk
-        t0 = time.perf_counter()
-        w, key, *_ = engine.prepare([loss], [torch.ones_like(loss)], [], True, None)
-        hit = engine.CACHE.get(key) is not None
-        times["walk+key"].append(time.perf_counter() - t0)
-        gc.enable()
-        assert hit, "the plan should be cached"
-        del w
-        t0 = time.perf_counter()
-        gpuautograd.backward(loss)
-        times["hit"].append(time.perf_counter() - t0)
+        for walker in walkers:
+            with walker_env(walker):
+                model.zero_grad(set_to_none=True)
+                loss = _forward(model, make_batch, loss_fn, batch, opaque)
+                gc.disable()  # as engine.run does around the walk
+                t0 = time.perf_counter()
+                w, key, *_ = engine.prepare([loss], [torch.ones_like(loss)], [], True, None, walker)
+                hit = engine.CACHE.get(key) is not None
+                times[f"walk+key[{walker}]"].append(time.perf_counter() - t0)
+                gc.enable()
+                assert hit, f"the plan should be cached ({walker} walker)"
+                del w
+                t0 = time.perf_counter()
+                gpuautograd.backward(loss)
+                times[f"hit[{walker}]"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "model": name + (" + custom Function" if opaque else ""),
         "nodes": num_nodes,
         "threads": threads,
+        "walkers": list(walkers),
         **{f"{k}_us": v * 1e6 for k, v in med.items()},
         **{f"{k}_us_per_node": v * 1e6 / num_nodes for k, v in med.items()},
-        "hit_over_eager": med["hit"] / med["eager"],
-        "walk_key_over_eager": med["walk+key"] / med["eager"],
+        "hit_over_eager": {w: med[f"hit[{w}]"] / med["eager"] for w in walkers},
+        "walk_key_over_eager": {w: med[f"walk+key[{w}]"] / med["eager"] for w in walkers},
     }
 
 
-def _hit_in_phases(loss, clock) -> dict:
+def _hit_in_phases(loss, clock, walker) -> dict:
     """One cache hit of a backward() whose sinks are leaves, as engine.run does it, timed per step."""
     t0 = clock()
     grads = [torch.ones_like(loss)]
-    w, key, *_ = engine.prepare([loss], grads, [], True, None)
+    w, key, *_ = engine.prepare([loss], grads, [], True, None, walker)
     entry = engine.CACHE.get(key)
     t1 = clock()
     nodes = w.nodes
     args = [w.saved[i] if kind == "saved" else grads[i] if kind == "grad" else nodes[i] for kind, i in entry.arg_plan]
     w.saved.clear()
-    release_saved([nodes[i] for i in entry.functional_nodes], [w.classes[i] for i in entry.functional_nodes])
+    engine._release(w, entry.functional_nodes)
     t2 = clock()
     with torch.no_grad():
         outs = entry.compiled(args)
@@ -119,12 +127,15 @@ def _hit_in_phases(loss, clock) -> dict:
     return {"walk+key": t1 - t0, "bind+release": t2 - t1, "run": t3 - t2, "deliver": t4 - t3, "hit": t4 - t0}
 
 
-def measure_phases(name: str = "gpt", iters: int = 100, threads: int = 1) -> dict:
+def measure_phases(name: str = "gpt", iters: int = 100, threads: int = 1, walkers=WALKERS) -> dict:
+    """Median thread CPU time (us) per phase, keyed "phase[walker]", and "eager"."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, make_batch, loss_fn = SUITE[name]()
     batch = make_batch(torch.Generator().manual_seed(0))
-    gpuautograd.backward(_forward(model, make_batch, loss_fn, batch))  # capture
+    for walker in walkers:  # capture: each walker keys its own plan
+        with walker_env(walker):
+            gpuautograd.backward(_forward(model, make_batch, loss_fn, batch))
     clock = time.thread_time
     times: dict[str, list] = {"eager": []}
     for _ in range(iters):
@@ -133,12 +144,14 @@ def measure_phases(name: str = "gpt", iters: int = 100, threads: int = 1) -> dic
         t0 = clock()
         loss.backward()
         times["eager"].append(clock() - t0)
-        model.zero_grad(set_to_none=True)
-        loss = _forward(model, make_batch, loss_fn, batch)
-        gc.disable()  # as engine.run does
-        for k, v in _hit_in_phases(loss, clock).items():
-            times.setdefault(k, []).append(v)
-        gc.enable()
+        for walker in walkers:
+            with walker_env(walker):
+                model.zero_grad(set_to_none=True)
+                loss = _forward(model, make_batch, loss_fn, batch)
+                gc.disable()  # as engine.run does
+                for k, v in _hit_in_phases(loss, clock, walker).items():
+                    times.setdefault(f"{k}[{walker}]", []).append(v)
+                gc.enable()
     return {k: statistics.median(v) * 1e6 for k, v in times.items()}
 
 
@@ -150,8 +163,9 @@ def graph_task_ab(name: str, iters: int, rounds: int = 3) -> None:
         for _ in range(rounds):
             for how, fn in (("direct", direct), ("graph task", real)):
                 engine.graph_task.call_in_graph_task = fn
-                r = measure(name, iters, 1, opaque=True)
-                print(f"{r['model']}, {how:>10}: eager {r['eager_us']:8.1f} us, hit {r['hit_us']:8.1f} us, {r['hit_over_eager']:.2f}x")
+                r = measure(name, iters, 1, available_walkers(), opaque=True)
+                ratios = ", ".join(f"{w} {x:.2f}x" for w, x in r["hit_over_eager"].items())
+                print(f"{r['model']}, {how:>10}: eager {r['eager_us']:8.1f} us, hit/eager {ratios}")
     finally:
         engine.graph_task.call_in_graph_task = real
 
@@ -161,6 +175,7 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--model", default="gpt", choices=sorted(SUITE))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     p.add_argument("--phases", action="store_true", help="split a hit into its steps, in thread CPU time")
     p.add_argument("--opaque", action="store_true", help="pass the loss through a custom autograd.Function")
     p.add_argument("--graph-task-ab", action="store_true", help="price the graph task a backward with an opaque node runs in")
@@ -168,16 +183,21 @@ def main(argv=None) -> None:
     if args.graph_task_ab:
         return graph_task_ab(args.model, args.iters)
     if args.phases:
-        med = measure_phases(args.model, args.iters, args.threads)
+        med = measure_phases(args.model, args.iters, args.threads, available_walkers())
         print(f"model {args.model}: thread CPU time, median of {args.iters} interleaved runs")
         for k, v in med.items():
-            print(f"{k:>13} {v:>10.1f} us {v / med['eager']:>6.2f}x eager")
+            print(f"{k:>22} {v:>10.1f} us {v / med['eager']:>6.2f}x eager")
+        if args.json:
+            print(json.dumps(med))
         return
-    r = measure(args.model, args.iters, args.threads, args.opaque)
+    r = measure(args.model, args.iters, args.threads, available_walkers(), args.opaque)
     print(f"model {r['model']}: {r['nodes']} autograd nodes, {r['threads']} thread(s), median of {args.iters} interleaved runs")
-    print(f"{'':>10} {'us/backward':>12} {'us/node':>9} {'vs eager':>9}")
-    for k in ("eager", "hit", "walk+key"):
-        print(f"{k:>10} {r[k + '_us']:>12.1f} {r[k + '_us_per_node']:>9.2f} {r[k + '_us'] / r['eager_us']:>8.2f}x")
+    print(f"{'':>16} {'us/backward':>12} {'us/node':>9} {'vs eager':>9}")
+    rows = ["eager"] + [f"{k}[{w}]" for w in r["walkers"] for k in ("hit", "walk+key")]
+    for k in rows:
+        print(f"{k:>16} {r[k + '_us']:>12.1f} {r[k + '_us_per_node']:>9.2f} {r[k + '_us'] / r['eager_us']:>8.3f}x")
+    if args.json:
+        print(json.dumps(r))
     print("(ratios are measured side by side in one run; absolute times depend on the machine)")
 
 

@@ -8,6 +8,8 @@ so a full launch queue never blocks the host). Variants are interleaved iteratio
 so machine noise hits them alike; the figures are medians and the ratios are what to compare.
 
   eager      torch's loss.backward()
+Each of the two walkers (the native one, the Python walk) is measured, interleaved with the rest.
+
   replay     gpuautograd.backward(loss) on a cache hit of the "cudagraph" backend: walk the graph,
              build the key, look the plan up, fill and upload the pointer table, replay the
              graph(s), deliver the gradients
@@ -58,8 +60,34 @@ def _segments_left_out(program: BoundProgram):
         program.env.update(saved)
 
 
-def measure(name: str, device: str, iters: int) -> dict:
+WALKERS = ("native", "python")
+
+
+@contextlib.contextmanager
+def walker_env(walker: str):
+    """Run gpuautograd with `walker` ("python": GPUAUTOGRAD_NATIVE=0) inside the block."""
+    before = os.environ.get("GPUAUTOGRAD_NATIVE")
+    os.environ["GPUAUTOGRAD_NATIVE"] = "0" if walker == "python" else (before if before not in (None, "0") else "auto")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("GPUAUTOGRAD_NATIVE", None)
+        else:
+            os.environ["GPUAUTOGRAD_NATIVE"] = before
+
+
+def available_walkers() -> tuple[str, ...]:
+    """Both walkers where the native one builds; else the Python walk alone (said in the output)."""
+    from gpuautograd import native
+
+    with walker_env("native"):
+        return WALKERS if native.load() is not None else ("python",)
+
+
+def measure(name: str, device: str, iters: int, walkers=WALKERS) -> dict:
     backend = "cudagraph" if device == "cuda" else "interpret-replay"
+    gpuautograd.reset()  # this model's plans alone in the cache
     torch.manual_seed(0)
     model, make_batch, loss_fn = SUITE[name](device=device)
     batch = make_batch(torch.Generator().manual_seed(0))
@@ -69,12 +97,19 @@ def measure(name: str, device: str, iters: int) -> dict:
         return loss_fn(model, *batch)
 
     nodes = gpuautograd.explain(forward(), backend=backend).num_nodes
-    for _ in range(2):  # capture, then one replay
-        gpuautograd.backward(forward(), backend=backend)
-    program = list(engine.CACHE.entries.values())[-1].compiled  # the most recently used plan
-    assert isinstance(program, BoundProgram), f"{name} on {backend} is not bound: {gpuautograd.stats()['not_graphed']}"
-    left_out = _segments_left_out(program) if device != "cuda" else contextlib.nullcontext()
-    times: dict[str, list[float]] = {"eager": [], "replay": [], "walk+key": []}
+    for walker in walkers:  # each walker keys its own plan: capture, then one replay
+        with walker_env(walker):
+            for _ in range(2):
+                gpuautograd.backward(forward(), backend=backend)
+    programs = [e.compiled for e in engine.CACHE.entries.values() if isinstance(e.compiled, BoundProgram)]
+    assert len(programs) == len(walkers), f"{name} on {backend} is not bound: {gpuautograd.stats()['not_graphed']}"
+    left_out = contextlib.ExitStack()
+    if device != "cuda":
+        for program in programs:
+            left_out.enter_context(_segments_left_out(program))
+    times: dict[str, list[float]] = {"eager": []}
+    for walker in walkers:
+        times[f"replay[{walker}]"], times[f"walk+key[{walker}]"] = [], []
     with left_out:
         for _ in range(iters):
             model.zero_grad(set_to_none=True)
@@ -83,32 +118,39 @@ def measure(name: str, device: str, iters: int) -> dict:
             t0 = time.perf_counter()
             loss.backward()
             times["eager"].append(time.perf_counter() - t0)
-
-            model.zero_grad(set_to_none=True)
-            loss = forward()
-            _sync(device)
-            gc.disable()  # as engine.run does around the walk
-            t0 = time.perf_counter()
-            engine.prepare([loss], [torch.ones_like(loss)], [], True, backend)
-            times["walk+key"].append(time.perf_counter() - t0)
-            gc.enable()
-
-            model.zero_grad(set_to_none=True)
-            _sync(device)
-            t0 = time.perf_counter()
-            gpuautograd.backward(loss, backend=backend)
-            times["replay"].append(time.perf_counter() - t0)
+            for walker in walkers:
+                _time_walker(walker, forward, model, device, backend, times)
     _sync(device)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "model": name,
         "nodes": nodes,
-        "segments": len(program.segments),
-        "graphs": program.graphs,
+        "segments": len(programs[0].segments),
+        "graphs": programs[0].graphs,
+        "walkers": list(walkers),
         "us_per_node": {k: 1e6 * v / nodes for k, v in med.items()},
-        "replay_vs_eager": med["replay"] / med["eager"],
-        "walk_key_share_of_replay": med["walk+key"] / med["replay"],
+        "replay_vs_eager": {w: med[f"replay[{w}]"] / med["eager"] for w in walkers},
+        "walk_key_vs_eager": {w: med[f"walk+key[{w}]"] / med["eager"] for w in walkers},
+        "walk_key_share_of_replay": {w: med[f"walk+key[{w}]"] / med[f"replay[{w}]"] for w in walkers},
     }
+
+
+def _time_walker(walker: str, forward, model, device: str, backend: str, times: dict) -> None:
+    with walker_env(walker):
+        model.zero_grad(set_to_none=True)
+        loss = forward()
+        _sync(device)
+        gc.disable()  # as engine.run does around the walk
+        t0 = time.perf_counter()
+        engine.prepare([loss], [torch.ones_like(loss)], [], True, backend, walker)
+        times[f"walk+key[{walker}]"].append(time.perf_counter() - t0)
+        gc.enable()
+
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        gpuautograd.backward(loss, backend=backend)
+        times[f"replay[{walker}]"].append(time.perf_counter() - t0)
 
 
 def main(argv=None) -> dict:
@@ -125,12 +167,22 @@ def main(argv=None) -> dict:
         if args.device == "cuda"
         else "CPU: interpret-replay bookkeeping with segment work left out; eager includes CPU compute"
     )
-    rows = [measure(m, args.device, args.iters) for m in args.models.split(",")]
+    walkers = available_walkers()
+    rows = [measure(m, args.device, args.iters, walkers) for m in args.models.split(",")]
     print(f"host time per autograd node ({what}), median of {args.iters} interleaved iterations")
-    print(f"{'model':8} {'nodes':>5} {'eager µs':>9} {'replay µs':>10} {'walk+key µs':>12} {'replay/eager':>13}")
+    if walkers != WALKERS:
+        from gpuautograd import native
+
+        print(f"(the native walker is unavailable: {native.reason()}; Python walk only)")
+    header = f"{'model':8} {'nodes':>5} {'walker':>7} {'eager µs':>9} {'replay µs':>10} {'walk+key µs':>12}"
+    print(f"{header} {'replay/eager':>13} {'walk+key/eager':>15}")
     for r in rows:
         u = r["us_per_node"]
-        print(f"{r['model']:8} {r['nodes']:5d} {u['eager']:9.2f} {u['replay']:10.2f} {u['walk+key']:12.2f} {r['replay_vs_eager']:12.2f}x")
+        for w in walkers:
+            print(
+                f"{r['model']:8} {r['nodes']:5d} {w:>7} {u['eager']:9.2f} {u[f'replay[{w}]']:10.2f} {u[f'walk+key[{w}]']:12.2f}"
+                f" {r['replay_vs_eager'][w]:12.2f}x {r['walk_key_vs_eager'][w]:14.3f}x"
+            )
     result = {"device": args.device, "measured": what, "torch": torch.__version__, "iters": args.iters, "rows": rows}
     if args.out:
         os.makedirs(args.out, exist_ok=True)

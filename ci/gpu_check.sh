@@ -24,6 +24,13 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_de
 PY
 
 status=0
+# The native walker, built against this machine's torch (about a minute, cached), then the parity
+# tests: both walkers must hit alike and hand the program the same tensors. A torch the walker
+# doesn't compile against fails this step; gpuautograd itself then runs the Python walk.
+echo "== native walker: build, then the parity tests"
+GPUAUTOGRAD_NATIVE=1 python -c "from gpuautograd import native; native.load()" || status=$?
+GPUAUTOGRAD_NATIVE=1 python -m pytest -q tests/unit/test_native_walker.py || status=$?
+
 if [ -d tests/gpu ]; then
     echo "== GPU tier: python -m pytest -q -m gpu tests/gpu"
     rc=0

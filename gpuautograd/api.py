@@ -16,7 +16,7 @@ import torch
 import torch.autograd as _autograd
 
 from . import distributed
-from .capture import hooks
+from .capture import hooks, native_walk
 from .ir.ops import get_op
 from .ir.program import Program
 from .runtime import engine
@@ -238,12 +238,20 @@ def _walk_only(tensors, grad_tensors, inputs, backend):
     return w, key, root_edges, input_edges, grads, accumulate
 
 
+def _native_fallback(tensors, inputs) -> str | None:
+    """What only the native walker sees (hooks on C++ nodes): the reason backward would run eagerly."""
+    if native_walk.current() != native_walk.NATIVE:
+        return None
+    nw, _ = native_walk.walk(list(_as_tuple(tensors)), list(_as_tuple(inputs)))
+    return nw.hook_reason if nw is not None else None
+
+
 def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = None) -> Explanation:
     """Capture the backward of `tensors` without running it and without freeing anything. When
     the backward would fall back to eager, `.program` is None and `.fallback_reason` says why."""
     w, key, root_edges, input_edges, grads, accumulate = _walk_only(tensors, grad_tensors, inputs, backend)
     names = [c.name for c in w.classes]
-    reason = _global_fallback_reason(create_graph=False) or w.hook_reason
+    reason = _global_fallback_reason(create_graph=False) or w.hook_reason or _native_fallback(tensors, inputs)
     entry = None if reason else engine.build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
     if entry is None or entry.program is None:
         return Explanation(len(w.nodes), names, [], None, "", reason or entry.fallback_reason, key[0])
@@ -352,6 +360,7 @@ def stats() -> dict:
     """Captures, cache hits, cache misses with the guard that failed, fallbacks with their reason."""
     out = _stats.STATS.snapshot()
     out["cached_programs"] = len(engine.CACHE.entries)
+    out["walker"] = out["walker"] or native_walk.current()  # before any backward: the one it would use
     return out
 
 

@@ -89,3 +89,13 @@ def extern_binding() -> str:
     "copy" (default) copies them into static mirrors for cuBLAS inside the graph; "table" runs a
     Triton matmul that reads them from the pointer table (bench/extern_binding.py compares them)."""
     return _choice("GPUAUTOGRAD_EXTERN_BINDING", "copy", EXTERN_BINDINGS)
+
+
+NATIVE_MODES = ("auto", "0", "1")
+
+
+def native() -> str:
+    """GPUAUTOGRAD_NATIVE: "auto" (default) builds the native walker on first use and falls back to
+    the Python walk, reporting why, when that fails; "0" always runs the Python walk; "1" makes a
+    failed build an error."""
+    return _choice("GPUAUTOGRAD_NATIVE", "auto", NATIVE_MODES)

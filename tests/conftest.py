@@ -20,3 +20,21 @@ def isolated_gpuautograd():
     gpuautograd.reset()
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(params=["native", "python"])
+def walker(request, monkeypatch):
+    """Run the test once with each walker (modules opt in with usefixtures("walker")). The native
+    run is skipped only where the extension can't be built and GPUAUTOGRAD_NATIVE=1 isn't set (CI
+    sets it, so there a failed build fails these tests); the Python run disables the extension."""
+    from gpuautograd import native
+
+    if request.param == "python":
+        monkeypatch.setenv("GPUAUTOGRAD_NATIVE", "0")
+    elif os.environ.get("GPUAUTOGRAD_NATIVE") == "0":
+        pytest.skip("GPUAUTOGRAD_NATIVE=0 disables the native walker")
+    elif native.load() is None:
+        pytest.skip(f"the native walker is unavailable: {native.reason()}")
+    yield request.param
+    used = gpuautograd.stats()["walker"]
+    assert used == request.param or gpuautograd.stats()["python_walks"], f"ran with the {used} walker"

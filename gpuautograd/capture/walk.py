@@ -97,6 +97,7 @@ class Walk:
     retained: list = field(default_factory=list)  # (node index, output_nr, tensor) for retain_grad()
     index: dict = field(default_factory=dict)  # node object -> its position in `nodes`
     hook_reason: str | None = None
+    walker = "python"  # not a field: which walker made this (the native one has its own class)
 
 
 def walk(root_nodes) -> Walk:

@@ -87,7 +87,8 @@ def run_engine(run, *args):
 
 
 def in_graph_task() -> bool:
-    """Is a backward of this thread already running inside run_engine's graph task?"""
+    """Is a backward of this thread running under an initialized process group, inside
+    run_engine's graph task? (Its walk must then be the Python one, which `ddp.plan` reads.)"""
     return bool(_frames.stack)
 
 
@@ -106,4 +107,4 @@ def check_graph(w, root_edges, input_edges, accumulate: bool) -> None:
     frame.hooks = result
 
 
-__all__ = ["install", "global_fallback_reason", "run_engine", "check_graph"]
+__all__ = ["install", "global_fallback_reason", "run_engine", "active", "check_graph"]

@@ -26,6 +26,7 @@ class Entry:
     opaque_nodes: list[int] = field(default_factory=list)  # released after the run
     functional_nodes: list[int] = field(default_factory=list)  # released before the run
     fallback_reason: str | None = None  # set when this graph must run eagerly
+    keepalive: Any = None  # what a native key refers to by address (the Python walk's key)
 
 
 STRUCTURES_KEPT = 1024  # graph structures remembered for miss diagnosis and recapture counts

@@ -14,7 +14,9 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags
+from ..capture import native_walk
 from ..capture.lower import Request, lower
+from ..capture.native_walk import NATIVE, PYTHON
 from ..capture.walk import CPP, release_saved, tensor_meta, walk
 from ..degrade import report
 from ..distributed import graph_task
@@ -78,9 +80,16 @@ def _edge(t: torch.Tensor, index: dict):
     return None if j is None else (j, edge.output_nr)
 
 
-def prepare(roots, grads, inputs, accumulate: bool, backend: str | None):
-    """Walk the graph and build the full cache key. Returns (walk, key, request pieces)."""
+def prepare(roots, grads, inputs, accumulate: bool, backend: str | None, walker: str = PYTHON):
+    """Walk the graph and build the full cache key. Returns (walk, key, root edges, input edges).
+    `walker` "native" uses the native walker where it can read the graph, else the Python walk."""
     backend = _backend(backend, roots[0].device)
+    head = (backend, accumulate, tuple(tensor_meta(g) for g in grads))
+    if walker == NATIVE:
+        w, unreadable = native_walk.walk(roots, inputs or ())
+        if w is not None:
+            return w, (*head, native_walk.key_of(w)), w.native.root_edges, w.native.input_edges
+        stats_module.STATS.python_walks[unreadable] += 1
     root_nodes = []
     root_nrs = []
     for t in roots:
@@ -90,8 +99,15 @@ def prepare(roots, grads, inputs, accumulate: bool, backend: str | None):
     w = walk(root_nodes)
     root_edges = tuple((w.index[n], nr) for n, nr in zip(root_nodes, root_nrs))
     input_edges = tuple(_edge(t, w.index) for t in inputs) if inputs else ()
-    key = (backend, accumulate, tuple(tensor_meta(g) for g in grads), root_edges, input_edges, tuple(w.key))
+    key = (*head, root_edges, input_edges, tuple(w.key))
     return w, key, root_edges, input_edges
+
+
+def _release(w, indices) -> None:
+    if isinstance(w, native_walk.NativeWalk):
+        w.release(indices)
+    else:
+        release_saved([w.nodes[i] for i in indices], [w.classes[i] for i in indices])
 
 
 def run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: str | None):
@@ -108,7 +124,9 @@ def run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: str
 
 
 def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: str | None):
-    w, key, root_edges, input_edges = prepare(roots, grads, inputs, accumulate, backend)
+    walker = PYTHON if distributed.in_graph_task() else native_walk.current()
+    w, key, root_edges, input_edges = prepare(roots, grads, inputs, accumulate, backend, walker)
+    stats_module.STATS.walker = w.walker
     distributed.check_graph(w, root_edges, input_edges, accumulate)  # distributed: DDP's C++ hooks; raises Fallback
     if w.hook_reason:
         raise Fallback(w.hook_reason)
@@ -144,11 +162,11 @@ def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: boo
     saved.clear()  # from here the argument list holds the only program references
     if not retain_graph:
         # The program now owns what it reads; a functional node never looks at its saved tensors again.
-        release_saved([nodes[i] for i in entry.functional_nodes], [w.classes[i] for i in entry.functional_nodes])
+        _release(w, entry.functional_nodes)
     with torch.no_grad():  # eager runs backward with grad mode = create_graph, which is False here
         outs = entry.compiled(args)
     if not retain_graph and entry.opaque_nodes:
-        release_saved([nodes[i] for i in entry.opaque_nodes], [w.classes[i] for i in entry.opaque_nodes])
+        _release(w, entry.opaque_nodes)
 
     retained = {(j, nr): t for j, nr, t in w.retained}
     if accumulate:
@@ -185,6 +203,42 @@ CACHE_THRASH_REPORT = (
 
 def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
     st = stats_module.STATS
+    native_w = w if isinstance(w, native_walk.NativeWalk) else None
+    py_key = key
+    if native_w is not None:
+        # Lowering reads the graph through Python; the Python walk also names the miss, so both
+        # walkers count and explain misses alike.
+        w, py_key, root_edges, input_edges = prepare(native_w.roots, grads, native_w.inputs, accumulate, key[0])
+        if w.hook_reason:
+            raise Fallback(w.hook_reason)
+    refused = _note_miss(w, key, py_key)
+    if refused is not None:
+        return refused
+    st.captures += 1
+    entry = build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
+    if native_w is not None and entry.program is not None:
+        try:
+            perm = native_walk.saved_permutation(native_w, w)
+        except RuntimeError as e:  # never guess an argument: this graph runs eagerly, and says why
+            reason = f"the native walker's saved tensors don't line up with the Python walk's ({e}); "
+            reason += "with GPUAUTOGRAD_NATIVE=0 this graph runs functionally"
+            entry = Entry(program=None, compiled=None, fallback_reason=reason)
+        else:
+            entry.arg_plan = [(kind, perm[i]) if kind == "saved" else (kind, i) for kind, i in entry.arg_plan]
+            entry.keepalive = py_key  # holds the Python classes whose addresses the native key names
+    if flags.debug_level() >= 2 and entry.program is not None:
+        print(f"[gpuautograd] captured program:\n{entry.program}")
+        if isinstance(entry.compiled, FusedProgram):
+            print(f"[gpuautograd] fused plan ({entry.compiled.launches} launches):\n{entry.compiled.source}")
+    if flags.debug_level() >= 3 and isinstance(entry.compiled, FusedProgram):
+        print("[gpuautograd] fusion decisions:\n" + "\n".join(entry.compiled.plan.decisions))
+    return _put(key, entry)
+
+
+def _note_miss(w, key, py_key) -> Entry | None:
+    """Count and name this miss; returns the eager entry when the structure may not capture again.
+    `key` is the cache's key, `py_key` the Python walk's (the same one without the native walker)."""
+    st = stats_module.STATS
     evicted, evicted_reason = CACHE.take_evicted(key)
     if evicted:
         # The cache, not the shapes, dropped this plan: capture it again without spending the
@@ -194,25 +248,17 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
         report(CACHE_THRASH_REPORT.format(size=flags.cache_size()))
         if evicted_reason is not None and evicted_reason.startswith(RECAPTURE_LIMIT_PREFIX):
             return _put(key, Entry(program=None, compiled=None, fallback_reason=evicted_reason))
-    else:
-        previous, count = CACHE.note_capture(structure_of(key), key)
-        reason = explain_miss(previous, key, w.classes) if previous is not None else "new graph structure"
-        st.record_miss(reason)
-        if flags.debug_level() >= 1:
-            print(f"[gpuautograd] cache miss: {reason}")
-        limit = flags.recapture_limit()
-        if count > limit:
-            # a stable reason (no count, no sizes): it is reported once and counted under one name
-            return _put(key, Entry(program=None, compiled=None, fallback_reason=RECAPTURE_LIMIT_REASON.format(limit=limit)))
-    st.captures += 1
-    entry = build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
-    if flags.debug_level() >= 2 and entry.program is not None:
-        print(f"[gpuautograd] captured program:\n{entry.program}")
-        if isinstance(entry.compiled, FusedProgram):
-            print(f"[gpuautograd] fused plan ({entry.compiled.launches} launches):\n{entry.compiled.source}")
-    if flags.debug_level() >= 3 and isinstance(entry.compiled, FusedProgram):
-        print("[gpuautograd] fusion decisions:\n" + "\n".join(entry.compiled.plan.decisions))
-    return _put(key, entry)
+        return None
+    previous, count = CACHE.note_capture(structure_of(py_key), py_key)
+    reason = explain_miss(previous, py_key, w.classes) if previous is not None else "new graph structure"
+    st.record_miss(reason)
+    if flags.debug_level() >= 1:
+        print(f"[gpuautograd] cache miss: {reason}")
+    limit = flags.recapture_limit()
+    if count > limit:
+        # a stable reason (no count, no sizes): it is reported once and counted under one name
+        return _put(key, Entry(program=None, compiled=None, fallback_reason=RECAPTURE_LIMIT_REASON.format(limit=limit)))
+    return None
 
 
 def _put(key, entry: Entry) -> Entry:

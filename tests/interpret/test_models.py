@@ -15,6 +15,7 @@ from tests.helpers import train_side_by_side
 BACKEND = "interpret"
 
 pytestmark = [
+    pytest.mark.usefixtures("walker"),  # every case with both walkers (tests/conftest.py)
     pytest.mark.filterwarnings("error:gpuautograd falls back"),
     pytest.mark.filterwarnings("error:gpuautograd. kernel:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:.* encountered in:RuntimeWarning"),  # numpy, on lanes a tl.where discards

@@ -14,7 +14,10 @@ import torch.nn.functional as F
 import gpuautograd
 from tests.helpers import assert_close, no_kernel_fallback
 
-pytestmark = pytest.mark.filterwarnings("ignore:.* encountered in:RuntimeWarning")  # numpy, on discarded lanes
+pytestmark = [
+    pytest.mark.usefixtures("walker"),  # every case with both walkers (tests/conftest.py)
+    pytest.mark.filterwarnings("ignore:.* encountered in:RuntimeWarning"),  # numpy, on discarded lanes
+]
 
 
 def _step(rng: random.Random, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ from tests.helpers import assert_close, gpuautograd_reports, train_side_by_side
 CPU = rc.Where("interpret-replay", "cpu", torch.float64)
 REPLAY = CPU.backend
 
+pytestmark = pytest.mark.usefixtures("walker")  # every case with both walkers (tests/conftest.py)
+
 
 @pytest.mark.parametrize("case", rc.CASES, ids=lambda c: c.__name__)
 def test_replay_hazard(case):

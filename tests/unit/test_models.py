@@ -10,6 +10,8 @@ from tests.helpers import assert_close, train_side_by_side
 
 FAMILIES = ["mlp", "cnn", "gpt", "gpt-manual-attn", "llama", "moe", "lstm-lm", "gnn"]
 
+pytestmark = pytest.mark.usefixtures("walker")  # every case with both walkers (tests/conftest.py)
+
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_model_family_matches_eager_float64(name):

@@ -1,0 +1,109 @@
+"""The hit path's walk through the native walker, and what ties its results to the Python walk's.
+
+The native walk (gpuautograd/native/walker.cpp) visits nodes in the Python walk's discovery
+order, so node indices agree; its saved tensors come in compiled_args order (each distinct
+tensor once), so a capture maps each of the Python walk's saved slots to the native index of the
+same SavedVariable (`saved_permutation`) and the plan reads its arguments through that map.
+"""
+
+from __future__ import annotations
+
+from .. import native
+from . import hooks
+from .walk import CPP, Walk
+
+NATIVE, PYTHON = "native", "python"
+
+
+def current() -> str:
+    """The walker the next backward uses: "native" when the extension is built and enabled."""
+    return NATIVE if native.load() is not None else PYTHON
+
+
+class _Nodes:
+    """The walk's nodes as Python objects, made only for the indices the engine reads."""
+
+    __slots__ = ("_walk",)
+
+    def __init__(self, nw) -> None:
+        self._walk = nw
+
+    def __getitem__(self, i: int):
+        return self._walk.node(i)
+
+    def __len__(self) -> int:
+        return len(self._walk)
+
+
+class NativeWalk:
+    """What the engine reads of a walk (nodes, saved, retained, hook_reason), from the native one."""
+
+    walker = NATIVE
+
+    def __init__(self, nw, roots, inputs) -> None:
+        self.native = nw
+        self.roots, self.inputs = roots, inputs
+        self.nodes = _Nodes(nw)
+        self.saved = nw.take_saved()  # every distinct saved tensor, in compiled_args order
+        self.hook_reason = nw.fallback
+        self.retained = []
+        for t in hooks.tracked_tensors():
+            edge = nw.find(t) if t.retains_grad else None
+            if edge is not None:
+                self.retained.append((edge[0], edge[1], t))
+        self.retained.sort(key=lambda r: (r[0], r[1]))
+
+    def release(self, indices) -> None:
+        """Free what eager frees after running these nodes (Node::release_variables)."""
+        self.native.release(list(indices))
+
+
+def walk(roots, inputs) -> tuple[NativeWalk | None, str | None]:
+    """The native walk of `roots`' graph, or (None, why) when it can't read this graph; the
+    Python walk then runs."""
+    nw = native.load().walk(list(roots), list(inputs))
+    if nw.unsupported:
+        return None, nw.unsupported
+    return NativeWalk(nw, roots, inputs), None
+
+
+def key_of(w: NativeWalk) -> tuple:
+    """The graph part of the cache key: the native key bytes, then what Python adds to them."""
+    return ("native", w.native.key, tuple((j, nr) for j, nr, _ in w.retained))
+
+
+def _raw_slots(pw: Walk) -> list:
+    """The SavedTensor object behind each of the Python walk's saved slots, in slot order."""
+    raw = []
+    for node, info in zip(pw.nodes, pw.classes):
+        if info.kind is not CPP:
+            continue
+        for name, is_tensor, value in zip(info.saved_names, info.tensor_flags, info.read(node)):
+            if not is_tensor or value is None:
+                continue
+            sv = getattr(node, "_raw_saved_" + name)
+            if isinstance(value, (list, tuple)):
+                raw.extend(s for v, s in zip(value, sv) if v is not None)
+            else:
+                raw.append(sv)
+    return raw
+
+
+def saved_permutation(w: NativeWalk, pw: Walk) -> list[int]:
+    """For each saved slot of the Python walk `pw`, the index of the same tensor in `w.saved`.
+    Checked, not assumed: a mismatch is an error naming the slot, never a wrong argument."""
+    if len(w.nodes) != len(pw.nodes):
+        raise RuntimeError(f"native walk found {len(w.nodes)} nodes, the Python walk {len(pw.nodes)}")
+    for i, node in enumerate(pw.nodes):
+        if w.nodes[i] is not node:
+            raise RuntimeError(f"native walk's node {i} is not the Python walk's ({pw.classes[i].name})")
+    raw = _raw_slots(pw)
+    if len(raw) != len(pw.saved):
+        raise RuntimeError(f"{len(raw)} SavedTensor objects for {len(pw.saved)} saved slots")
+    perm = w.native.saved_index(raw)
+    for slot, (j, t) in enumerate(zip(perm, pw.saved)):
+        n = w.saved[j]
+        same = n.data_ptr() == t.data_ptr() and n.shape == t.shape and n.stride() == t.stride() and n.dtype == t.dtype
+        if not same:
+            raise RuntimeError(f"saved slot {slot}: the native walk's tensor {j} is not the Python walk's")
+    return perm

@@ -1,0 +1,384 @@
+// gpuautograd's native walker: the hit path's walk over an autograd graph, in C++.
+//
+// One call walks the graph breadth-first over next_edges() in the same discovery order as the
+// Python walk (capture/walk.py), writes the cache key as bytes, collects every saved tensor, and
+// notes what would make the functional backward wrong (hooks, unpack hooks, layouts). Saved
+// values are read with Node::compiled_args, the visitor compiled autograd uses: it reaches every
+// generated node's saved fields without Python and without running anything.
+//
+// Decisions stay in Python; this file only reads the graph.
+
+#include <torch/extension.h>
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
+
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::AccumulateGrad;
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+namespace ca = torch::dynamo::autograd;
+
+namespace {
+
+// Tags keep fields of different kinds from running into each other in the key bytes.
+enum Tag : uint8_t {
+  kNode = 1, kEdge, kNoEdge, kMeta, kSaved, kSizes, kLifted, kLeaf, kPython, kRoot, kInput,
+};
+
+class KeyWriter {
+ public:
+  KeyWriter() { bytes_.reserve(16384); }
+  template <typename T>
+  void put(const T& value) {
+    bytes_.append(reinterpret_cast<const char*>(&value), sizeof(T));
+  }
+  void put_ints(c10::IntArrayRef values) {
+    put<uint32_t>(values.size());
+    bytes_.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(int64_t));
+  }
+  void put_raw(const uint8_t* data, size_t size) {
+    put<uint32_t>(size);
+    bytes_.append(reinterpret_cast<const char*>(data), size);
+  }
+  const std::string& bytes() const { return bytes_; }
+
+ private:
+  std::string bytes_;
+};
+
+// What the Python walk keys a tensor by: shape, strides, dtype, device.
+void put_tensor_meta(KeyWriter& key, const at::Tensor& t) {
+  key.put_ints(t.sizes());
+  key.put_ints(t.strides());
+  key.put(t.scalar_type());
+  key.put(t.device().type());
+  key.put(t.device().index());
+}
+
+// Why a tensor can't be keyed or read by the functional backward (nullopt: it can).
+std::optional<std::string> layout_problem(const at::Tensor& t, const std::string& where) {
+  if (t.is_nested()) {
+    return "a nested tensor is " + where;
+  }
+  if (t.layout() != at::kStrided) {
+    std::ostringstream os;
+    os << "a tensor with layout " << t.layout() << " is " << where;
+    return os.str();
+  }
+  return std::nullopt;
+}
+
+class NativeWalk {
+ public:
+  NativeWalk() : compiler_(ca::SizeInput::STATIC) {}
+
+  void run(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs) {
+    std::vector<std::pair<int64_t, uint32_t>> root_edges;
+    for (const auto& t : roots) {
+      auto edge = torch::autograd::impl::gradient_edge(t);
+      TORCH_CHECK(edge.function, "a root tensor has no gradient edge (does it require grad?)");
+      root_edges.emplace_back(discover(edge.function), edge.input_nr);
+    }
+    for (size_t i = 0; i < nodes_.size() && !unsupported_; ++i) {  // nodes_ grows: breadth-first
+      visit(i);
+    }
+    for (auto [j, nr] : root_edges) {
+      key_.put(kRoot);
+      key_.put(j);
+      key_.put(nr);
+      root_edges_.append(py::make_tuple(j, nr));
+    }
+    for (const auto& t : inputs) {
+      auto j = find(t);
+      input_edges_.append(j);
+      key_.put(kInput);
+      if (!j.is_none()) {
+        auto pair = j.cast<std::pair<int64_t, uint32_t>>();
+        key_.put(pair.first);
+        key_.put(pair.second);
+      }
+    }
+  }
+
+  // (node index, output_nr) of a tensor's gradient edge in this walk, or None.
+  py::object find(const at::Tensor& t) const {
+    auto edge = torch::autograd::impl::gradient_edge(t);
+    if (!edge.function) {
+      return py::none();
+    }
+    auto it = index_.find(edge.function.get());
+    if (it == index_.end()) {
+      return py::none();
+    }
+    return py::make_tuple(it->second, edge.input_nr);
+  }
+
+  // For each SavedTensor of the Python walk's slots, the index of its tensor in saved().
+  std::vector<int64_t> saved_index(const std::vector<py::object>& raw) {
+    std::vector<int64_t> out;
+    out.reserve(raw.size());
+    for (const auto& obj : raw) {
+      const auto& sv = obj.cast<const SavedVariable&>();
+      out.push_back(compiler_.tensor_args.lookup(sv).index());
+    }
+    return out;
+  }
+
+  py::object node(int64_t i) const {
+    return py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(nodes_.at(i)));
+  }
+
+  at::Tensor leaf_variable(int64_t i) const {
+    auto* acc = dynamic_cast<AccumulateGrad*>(nodes_.at(i).get());
+    TORCH_CHECK(acc, "node ", i, " (", nodes_.at(i)->name(), ") is not an AccumulateGrad node");
+    return acc->variable;
+  }
+
+  // What eager's backward does after running a node without retain_graph.
+  void release(const std::vector<int64_t>& indices) {
+    for (auto i : indices) {
+      nodes_.at(i)->release_variables();
+    }
+  }
+
+  py::bytes key() const { return py::bytes(key_.bytes()); }
+  // The saved tensors, handed over: afterwards the caller's list holds the only references this
+  // walk had, so releasing them frees memory as eager's backward does.
+  std::vector<at::Tensor> take_saved() { return std::exchange(compiler_.tensor_args.inputs, {}); }
+  size_t size() const { return nodes_.size(); }
+  std::optional<std::string> unsupported() const { return unsupported_; }
+  std::optional<std::string> fallback() const { return fallback_; }
+  py::tuple root_edges() const { return py::tuple(root_edges_); }
+  py::tuple input_edges() const { return py::tuple(input_edges_); }
+
+ private:
+  int64_t discover(const c10::intrusive_ptr<Node>& fn) {
+    auto [it, fresh] = index_.try_emplace(fn.get(), static_cast<int64_t>(nodes_.size()));
+    if (fresh) {
+      nodes_.push_back(fn);
+    }
+    return it->second;
+  }
+
+  void set_fallback(std::string reason) {
+    if (!fallback_) {
+      fallback_ = std::move(reason);
+    }
+  }
+
+  void visit(size_t i) {
+    // A copy, not a reference into nodes_: discover() may reallocate it.
+    c10::intrusive_ptr<Node> node = nodes_[i];
+    key_.put(kNode);
+    put_edges(*node);
+    put_input_metadata(*node);
+    if (auto* acc = dynamic_cast<AccumulateGrad*>(node.get())) {
+      put_leaf(*acc);
+    } else if (PyObject* obj = python_function(*node)) {
+      put_python(obj);
+    } else {
+      put_cpp(node);
+    }
+    check_node_hooks(*node);
+  }
+
+  void put_edges(const Node& node) {
+    const auto& edges = node.next_edges();
+    key_.put<uint32_t>(edges.size());
+    for (const auto& e : edges) {
+      if (!e.is_valid()) {
+        key_.put(kNoEdge);
+        continue;
+      }
+      key_.put(kEdge);
+      key_.put(discover(e.function));
+      key_.put(e.input_nr);
+    }
+  }
+
+  void put_input_metadata(const Node& node) {
+    uint32_t n = node.num_inputs();
+    key_.put(n);
+    for (uint32_t k = 0; k < n; ++k) {
+      const auto& m = node.input_metadata(k);
+      key_.put(kMeta);
+      if (m.is_nested_tensor()) {
+        set_fallback("a nested tensor flows into " + node.name());
+        continue;
+      }
+      if (m.layout() != at::kStrided) {
+        std::ostringstream os;
+        os << "a gradient with layout " << m.layout() << " flows into " << node.name();
+        set_fallback(os.str());
+      }
+      auto shape = m.shape_as_dim_vector();
+      key_.put<uint32_t>(shape.size());
+      for (const auto& s : shape) {
+        key_.put(s.guard_int(__FILE__, __LINE__));
+      }
+      key_.put(m.dtype().toScalarType());
+      key_.put(m.device().type());
+      key_.put(m.device().index());
+      key_.put(m.is_tensor_subclass());
+    }
+  }
+
+  void put_leaf(AccumulateGrad& acc) {
+    key_.put(kLeaf);
+    const auto& var = acc.variable;
+    if (!var.defined()) {
+      unsupported_ = "an AccumulateGrad node whose variable was released";
+      return;
+    }
+    if (auto problem = layout_problem(var, "a leaf of the graph")) {
+      set_fallback(*problem);
+      return;
+    }
+    put_tensor_meta(key_, var);
+    // The Python walk's leaf checks, with its words (parity of fallback reasons).
+    if (!acc.tensor_pre_hooks().empty()) {
+      set_fallback("a hook is registered on a leaf tensor");
+    } else if (acc.tensor_post_acc_grad_hooks() != nullptr) {
+      set_fallback("a post-accumulate-grad hook is registered on a leaf tensor");
+    }
+  }
+
+  // The THPFunction of a node defined in Python (a PyNode), else nullptr. PyNode's type info is
+  // not exported from libtorch_python, so the node's Python object tells.
+  static PyObject* python_function(const Node& node) {
+    PyObject* obj = node.pyobj_slot()->load_pyobj();
+    return obj != nullptr && PyObject_TypeCheck(obj, &THPFunctionType) ? obj : nullptr;
+  }
+
+  void put_python(PyObject* obj) {
+    key_.put(kPython);
+    // The class object stays alive while a plan keyed by it is cached: the entry holds the Python
+    // walk's key, which holds the class.
+    key_.put(reinterpret_cast<uintptr_t>(Py_TYPE(obj)));
+    PyObject* needs = reinterpret_cast<THPFunction*>(obj)->needs_input_grad;
+    if (needs == nullptr || !PyTuple_Check(needs)) {
+      unsupported_ = "a Python autograd node without needs_input_grad";
+      return;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(needs);
+    key_.put<uint32_t>(n);
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      key_.put<uint8_t>(PyTuple_GET_ITEM(needs, k) == Py_True);
+    }
+  }
+
+  void put_cpp(const c10::intrusive_ptr<Node>& node) {
+    // The type's name pointer is unique per C++ type and lives as long as the process.
+    key_.put(reinterpret_cast<uintptr_t>(typeid(*node).name()));
+    size_t tensors_before = compiler_.tensor_args.inputs.size();
+    size_t sizes_before = compiler_.all_size_inputs.size();
+    size_t lifted_before = compiler_.lifted_ivalue_args.args.size();
+    size_t hooks_before = compiler_.hooks.size();
+    // One NodeCall for every node: compiled_args reads only its node (to unpack saved outputs),
+    // and a map entry per node would cost an allocation each.
+    call_.node = node;
+    ca::CompiledNodeArgs args(compiler_, call_);
+    try {
+      node->compiled_args(args);
+    } catch (const c10::NotImplementedError& e) {
+      unsupported_ = node->name() + " can't be read natively (" + first_line(e.what_without_backtrace()) + ")";
+      return;
+    }
+    if (compiler_.hooks.size() != hooks_before) {
+      // compiled_args saw a saved variable with unpack hooks and did not unpack it.
+      set_fallback("a saved tensor of " + node->name() +
+                   " has unpack hooks (torch.utils.checkpoint or saved_tensors_hooks); they run only inside eager's backward");
+      return;
+    }
+    auto ck = args.key();
+    key_.put(kSaved);
+    key_.put_raw(ck.key, ck.key_size);
+    const auto& tensors = compiler_.tensor_args.inputs;
+    for (size_t k = tensors_before; k < tensors.size(); ++k) {
+      if (auto problem = layout_problem(tensors[k], "saved by " + node->name())) {
+        set_fallback(*problem);
+        return;
+      }
+      put_tensor_meta(key_, tensors[k]);
+    }
+    key_.put(kSizes);
+    const auto& sizes = compiler_.all_size_inputs;
+    key_.put<uint32_t>(sizes.size() - sizes_before);
+    for (size_t k = sizes_before; k < sizes.size(); ++k) {
+      key_.put(sizes[k].value);
+    }
+    key_.put(kLifted);
+    const auto& lifted = compiler_.lifted_ivalue_args.args;
+    for (size_t k = lifted_before; k < lifted.size(); ++k) {
+      const at::IValue& iv = *lifted[k].actual_ptr;
+      key_.put(iv.isInt() ? iv.toInt() : 0);
+      key_.put(iv.isDouble() ? iv.toDouble() : 0.0);
+      if (!iv.isInt() && !iv.isDouble()) {
+        unsupported_ = node->name() + " saves a symbolic value";
+      }
+    }
+  }
+
+  // Hooks on the node itself: eager runs them, the functional backward can't.
+  void check_node_hooks(Node& node) {
+    if (!node.pre_hooks().empty()) {
+      set_fallback("a pre-hook is registered on autograd node " + node.name() + " (grad_fn.register_prehook or a module backward hook)");
+    } else if (!node.post_hooks().empty()) {
+      set_fallback("a hook is registered on autograd node " + node.name() + " (grad_fn.register_hook or a module backward hook)");
+    } else if (!node.tensor_pre_hooks().empty() && dynamic_cast<AccumulateGrad*>(&node) == nullptr) {
+      set_fallback("a hook is registered on a non-leaf tensor (grad_fn " + node.name() + ")");
+    }
+  }
+
+  static std::string first_line(const char* what) {
+    std::string s(what);
+    auto nl = s.find('\n');
+    return nl == std::string::npos ? s : s.substr(0, nl);
+  }
+
+  std::vector<c10::intrusive_ptr<Node>> nodes_;
+  std::unordered_map<const Node*, int64_t> index_;
+  ca::AutogradCompilerCall compiler_;
+  ca::NodeCall call_{0, c10::intrusive_ptr<Node>()};
+  KeyWriter key_;
+  py::list root_edges_;
+  py::list input_edges_;
+  std::optional<std::string> unsupported_;  // this graph needs the Python walk
+  std::optional<std::string> fallback_;  // this backward must run eagerly
+};
+
+std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs) {
+  auto w = std::make_unique<NativeWalk>();
+  w->run(roots, inputs);
+  return w;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<NativeWalk>(m, "NativeWalk")
+      .def_property_readonly("key", &NativeWalk::key)
+      .def("take_saved", &NativeWalk::take_saved)
+      .def_property_readonly("unsupported", &NativeWalk::unsupported)
+      .def_property_readonly("fallback", &NativeWalk::fallback)
+      .def_property_readonly("root_edges", &NativeWalk::root_edges)
+      .def_property_readonly("input_edges", &NativeWalk::input_edges)
+      .def("__len__", &NativeWalk::size)
+      .def("find", &NativeWalk::find)
+      .def("node", &NativeWalk::node)
+      .def("leaf_variable", &NativeWalk::leaf_variable)
+      .def("saved_index", &NativeWalk::saved_index)
+      .def("release", &NativeWalk::release);
+  m.def("walk", &walk, "Walk the graph behind `roots`; `inputs` are autograd.grad's inputs (may be empty).");
+}

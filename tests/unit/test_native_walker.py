@@ -1,0 +1,338 @@
+"""The native walker against the Python walk: the same hits and misses, the same tensors handed to
+the captured program; hooks only the native walker sees; the build, its flag and its fallback."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gpuautograd
+from bench.models import SUITE
+from gpuautograd import flags, native
+from gpuautograd.runtime import engine
+from tests.helpers import assert_close
+
+WALKERS = ("native", "python")
+
+
+def _use(walker: str, monkeypatch) -> None:
+    if walker == "python":
+        monkeypatch.setenv("GPUAUTOGRAD_NATIVE", "0")
+    else:
+        monkeypatch.delenv("GPUAUTOGRAD_NATIVE", raising=False)
+        if native.load() is None:
+            pytest.skip(f"the native walker is unavailable: {native.reason()}")
+
+
+def _record_arguments(calls: list):
+    """Wrap every cached plan so that each run appends the address and metadata of its saved-tensor
+    arguments (the incoming gradient is a fresh tensor on each call)."""
+    for entry in engine.CACHE.entries.values():
+        if entry.compiled is not None and not hasattr(entry.compiled, "recorded"):
+            inner, kinds = entry.compiled, [kind for kind, _ in entry.arg_plan]
+
+            def recording(args, inner=inner, kinds=kinds):
+                calls.append([(a.data_ptr(), tuple(a.shape), a.stride(), a.dtype) for a, k in zip(args, kinds) if k == "saved"])
+                return inner(args)
+
+            recording.recorded = True
+            entry.compiled = recording
+
+
+def _two_backwards(loss, leaves, walker, monkeypatch):
+    """Capture, then hit, on one retained graph: the same saved tensors both times."""
+    _use(walker, monkeypatch)
+    gpuautograd.reset()
+    calls: list = []
+    gpuautograd.grad(loss, leaves, retain_graph=True)
+    _record_arguments(calls)
+    grads = gpuautograd.grad(loss, leaves, retain_graph=True)
+    s = gpuautograd.stats()
+    assert s["walker"] == walker, s
+    return (s["captures"], s["cache_hits"], s["cache_misses"]), calls, grads
+
+
+def _graphs():
+    for name in ("mlp", "cnn", "gpt", "gpt-manual-attn", "llama"):
+        torch.manual_seed(0)
+        model, make_batch, loss_fn = SUITE[name](dtype=torch.float64)
+        yield name, loss_fn(model, *make_batch(torch.Generator().manual_seed(0))), [p for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "gpt-manual-attn", "llama"])
+def test_both_walkers_hit_alike_and_hand_the_program_the_same_tensors(name, monkeypatch):
+    _, loss, leaves = next(g for g in _graphs() if g[0] == name)
+    native_counts, native_calls, native_grads = _two_backwards(loss, leaves, "native", monkeypatch)
+    python_counts, python_calls, python_grads = _two_backwards(loss, leaves, "python", monkeypatch)
+    assert native_counts == python_counts == (1, 1, 1)
+    assert len(native_calls) == len(python_calls) == 1
+    assert native_calls == python_calls  # same addresses, shapes, strides, dtypes, in program order
+    expected = torch.autograd.grad(loss, leaves)
+    for a, b, e in zip(native_grads, python_grads, expected):
+        assert_close(a, e)
+        assert_close(b, e)
+
+
+def _mm(a, b):
+    return (torch.tanh(a @ b) * 1.5).sum()
+
+
+def _variants(kind: str):
+    """(first graph, second graph, leaves): the second differs from the first in one guard."""
+    torch.manual_seed(0)
+    a = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    if kind == "stride":  # one saved tensor (mm's mat2), same shape, transposed layout
+        m = torch.randn(3, 4, dtype=torch.float64)
+        mt = torch.randn(4, 3, dtype=torch.float64).t()
+        return (lambda: _mm(a, m)), (lambda: _mm(a, mt)), [a]
+    if kind == "dtype":  # one saved tensor in another dtype (mul promotes; the node saves `other` as is)
+        c64 = torch.randn(5, 3, dtype=torch.float64)
+        c32 = c64.float()
+        return (lambda: (a * c64).sum()), (lambda: (a * c32).sum()), [a]
+    if kind == "edge":  # one edge leads elsewhere: same node types, same sizes
+        c = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+        return (lambda: (a * c + a).sum()), (lambda: (a * c + c).sum()), [a, c]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("walker", WALKERS)
+@pytest.mark.parametrize("kind", ["stride", "dtype", "edge"])
+def test_a_graph_differing_in_one_guard_is_a_miss(kind, walker, monkeypatch):
+    _use(walker, monkeypatch)
+    first, second, leaves = _variants(kind)
+    for make, expected in ((first, (1, 0)), (second, (2, 0)), (first, (2, 1)), (second, (2, 2))):
+        out = gpuautograd.grad(make(), leaves, allow_unused=True)
+        for g, e in zip(out, torch.autograd.grad(make(), leaves, allow_unused=True)):
+            assert (g is None) == (e is None)
+            if e is not None:
+                assert_close(g, e)
+        s = gpuautograd.stats()
+        assert (s["captures"], s["cache_hits"]) == expected, (kind, s)
+        assert s["walker"] == walker
+
+
+def _native_only(monkeypatch):
+    _use("native", monkeypatch)
+
+
+def _eager_and_ours(make, leaves, monkeypatch):
+    """Gradients and hook calls of eager and of gpuautograd.backward on two fresh graphs."""
+    results = []
+    for run in (lambda loss: loss.backward(), gpuautograd.backward):
+        for p in leaves:
+            p.grad = None
+        calls = []
+        run(make(calls))
+        results.append(([p.grad.clone() for p in leaves], len(calls)))
+    return results
+
+
+@pytest.mark.parametrize("where", ["prehook", "hook"])
+def test_a_hook_on_a_cpp_node_falls_back_and_runs_as_in_eager(where, monkeypatch):
+    _native_only(monkeypatch)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def make(calls):
+        y = torch.sin(x) * 2.0
+        if where == "prehook":
+            y.grad_fn.register_prehook(lambda gout: calls.append(1) or (gout[0] * 3,))
+        else:
+            y.grad_fn.register_hook(lambda gin, gout: calls.append(1) or (gin[0] * 3, *gin[1:]))
+        return y.sum()
+
+    with pytest.warns(RuntimeWarning, match="autograd node MulBackward0"):
+        (eager, n_eager), (ours, n_ours) = _eager_and_ours(make, [x], monkeypatch)
+    assert n_eager == n_ours == 1
+    assert_close(ours[0], eager[0])
+    assert gpuautograd.stats()["fallbacks"]
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")  # x needs no grad here
+def test_a_module_full_backward_hook_falls_back_and_runs_as_in_eager(monkeypatch):
+    _native_only(monkeypatch)
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    seen = []
+    lin.register_full_backward_pre_hook(lambda module, gout: seen.append(1) or (gout[0] * 2,))
+    lin.register_full_backward_hook(lambda module, gin, gout: seen.append(2))
+
+    def make(calls):
+        seen.clear()
+        return F.gelu(lin(x)).sum()
+
+    with pytest.warns(RuntimeWarning, match="hook"):
+        results = []
+        for run in (lambda loss: loss.backward(), gpuautograd.backward):
+            lin.zero_grad(set_to_none=True)
+            run(make(None))
+            results.append(([p.grad.clone() for p in lin.parameters()], len(seen)))
+    (eager, n_eager), (ours, n_ours) = results
+    for a, e in zip(ours, eager):
+        assert_close(a, e)
+    assert n_ours == n_eager == 2
+
+
+def test_a_tensor_hook_registered_before_an_in_place_op_is_honored(monkeypatch):
+    _native_only(monkeypatch)
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+
+    def make(calls):
+        y = x * 2.0
+        y.register_hook(lambda g: calls.append(1) or g * 5)
+        y.mul_(3.0)  # the hook stays on the node that produced y before the in-place op
+        return y.sum()
+
+    with pytest.warns(RuntimeWarning, match="hook"):
+        (eager, n_eager), (ours, n_ours) = _eager_and_ours(make, [x], monkeypatch)
+    assert n_eager == n_ours == 1
+    assert_close(ours[0], eager[0])
+
+
+@pytest.mark.parametrize("use_reentrant", [False])
+def test_checkpointing_falls_back_and_recomputes_as_often_as_eager(use_reentrant, monkeypatch):
+    _native_only(monkeypatch)
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def make(calls):
+        def block(h):
+            calls.append(1)
+            return torch.tanh(h @ w).sin()
+
+        return checkpoint(block, x, use_reentrant=use_reentrant).sum()
+
+    with pytest.warns(RuntimeWarning, match="unpack hooks"):
+        (eager, n_eager), (ours, n_ours) = _eager_and_ours(make, [w], monkeypatch)
+    assert n_eager == n_ours == 2  # the forward, then one recomputation inside the backward
+    assert_close(ours[0], eager[0])
+
+
+def test_a_sparse_leaf_falls_back_with_the_reason(monkeypatch):
+    _native_only(monkeypatch)
+    dense = torch.randn(4, 3, dtype=torch.float64)
+    s = dense.to_sparse().requires_grad_()
+    y = torch.randn(3, 2, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="layout"):
+        gpuautograd.backward(torch.sparse.mm(s, y).sum())
+    expected = torch.autograd.grad(torch.sparse.mm(s, y).sum(), [s])[0]
+    assert_close(s.grad.to_dense(), expected.to_dense())
+
+
+def test_the_python_walk_runs_with_the_extension_disabled(monkeypatch):
+    monkeypatch.setenv("GPUAUTOGRAD_NATIVE", "0")
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        x.grad = None
+        gpuautograd.backward((x.exp() * x).sum())
+        assert_close(x.grad, (x.exp() * (1 + x)).detach())
+    s = gpuautograd.stats()
+    assert s["walker"] == "python" and s["cache_hits"] == 1
+
+
+def test_the_flag_is_validated(monkeypatch):
+    monkeypatch.setenv("GPUAUTOGRAD_NATIVE", "yes")
+    with pytest.raises(ValueError, match="GPUAUTOGRAD_NATIVE='yes'"):
+        flags.native()
+
+
+@pytest.fixture
+def fresh_native_state(monkeypatch):
+    """A native module state as before the first load, restored afterwards."""
+    monkeypatch.setattr(native, "_state", native._State())
+
+
+def _failing_build():
+    raise RuntimeError("the compiler exited with status 1\nmore output")
+
+
+def test_a_failed_build_warns_once_and_the_python_walk_runs(fresh_native_state, monkeypatch):
+    monkeypatch.delenv("GPUAUTOGRAD_NATIVE", raising=False)
+    monkeypatch.setattr(native, "_compile_or_load", _failing_build)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match=r"could not be built .*status 1.*Python walk runs instead.*slower.*hooks"):
+        gpuautograd.backward((x * x).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: no second warning
+        x.grad = None
+        gpuautograd.backward((x * x).sum())
+    assert_close(x.grad, 2 * x.detach())
+    assert gpuautograd.stats()["walker"] == "python"
+
+
+def test_a_failed_build_is_an_error_when_the_native_walker_is_required(fresh_native_state, monkeypatch):
+    monkeypatch.setenv("GPUAUTOGRAD_NATIVE", "1")
+    monkeypatch.setattr(native, "_compile_or_load", _failing_build)
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="GPUAUTOGRAD_NATIVE=1 but the native walker could not be built"):
+        gpuautograd.backward((x * x).sum())
+
+
+def test_no_compiler_is_a_named_reason(fresh_native_state, monkeypatch):
+    monkeypatch.delenv("GPUAUTOGRAD_NATIVE", raising=False)
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler .'no-such-compiler-here'. is on PATH"):
+        assert native.load() is None
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_a_nested_tensor_graph_falls_back_with_the_reason(monkeypatch):
+    _native_only(monkeypatch)
+    nt = torch.nested.nested_tensor([torch.randn(2, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)], requires_grad=True)
+
+    def loss():
+        return torch.cat([t.sum().reshape(1) for t in (nt * 2.0).sin().unbind()]).sum()
+
+    with pytest.warns(RuntimeWarning, match="a nested tensor"):
+        gpuautograd.backward(loss())
+    ours = [g.clone() for g in nt.grad.unbind()]
+    nt.grad = None
+    loss().backward()
+    for a, e in zip(ours, nt.grad.unbind()):
+        assert_close(a, e)
+
+
+def test_the_build_lives_in_a_cache_keyed_by_torch_and_the_source(monkeypatch):
+    _native_only(monkeypatch)
+    import os
+
+    tag = native._tag()
+    assert torch.__version__.replace("+", "_").replace(".", "_") in tag
+    final = os.path.join(native.cache_root(), tag)
+    assert any(f.startswith(f"gpuautograd_native_{tag}") for f in os.listdir(final))
+    # a build in progress lives in a dot-directory renamed into place when done: none is left over
+    assert not [d for d in os.listdir(native.cache_root()) if d.startswith(f".{tag}-")]
+
+
+def test_explain_names_a_hook_only_the_native_walker_sees(monkeypatch):
+    _native_only(monkeypatch)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    y = x.exp()
+    y.grad_fn.register_prehook(lambda gout: None)
+    report = gpuautograd.explain(y.sum())
+    assert report.program is None and "pre-hook is registered on autograd node ExpBackward0" in report.fallback_reason
+
+
+def test_saved_tensors_that_do_not_line_up_run_eagerly_with_the_reason(monkeypatch):
+    _native_only(monkeypatch)
+    from gpuautograd.capture import native_walk
+
+    def mismatch(w, pw):
+        raise RuntimeError("saved slot 0: the native walk's tensor 1 is not the Python walk's")
+
+    monkeypatch.setattr(native_walk, "saved_permutation", mismatch)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="don't line up with the Python walk's .saved slot 0"):
+        gpuautograd.backward((x.sin() * x).sum())
+    assert_close(x.grad, (x.cos() * x + x.sin()).detach())
+    x.grad = None
+    gpuautograd.backward((x.sin() * x).sum())  # a hit of the cached fallback: warned once already
+    assert_close(x.grad, (x.cos() * x + x.sin()).detach())
+    assert sum(gpuautograd.stats()["fallbacks"].values()) == 2

@@ -122,7 +122,11 @@ def walk(root_nodes) -> Walk:
                 j = index[nxt] = len(nodes)
                 nodes.append(nxt)
             edges.append((j, nr))
-        ims = node._input_metadata
+        try:
+            ims = node._input_metadata
+        except RuntimeError as e:  # a nested tensor's metadata has no plain shape
+            w.hook_reason = w.hook_reason or f"{info.name} takes a gradient this walk cannot describe ({e})"
+            ims = ()
         if len(ims) == 1:
             m = ims[0]
             metas = ((tuple(m.shape), m.dtype, m.device),)
@@ -131,14 +135,30 @@ def walk(root_nodes) -> Walk:
         kind = info.kind
         saved_start.append(len(saved))
         if kind is CPP:
-            extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
+            if hooks.saved_hooks_seen and info.raw_names and (reason := unpack_hook_reason(node, info)):
+                # Reading _saved_<name> would run the unpack hook (a checkpoint recomputes its
+                # function on every read outside a backward); eager runs it once, as it executes.
+                w.hook_reason = w.hook_reason or reason
+                extra = ("unpack hooks",)
+            else:
+                try:
+                    extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
+                except RuntimeError as e:
+                    # Freed by an earlier backward, or a saved value without strides (sparse, MKLDNN):
+                    # fine while the node does not run; lower() raises torch's error if it must.
+                    del saved[saved_start[-1] :]
+                    extra = ("unreadable", str(e)[:80])
         elif kind is ACCUMULATE:
             var = node.variable
             if var._backward_hooks:
                 w.hook_reason = "a hook is registered on a leaf tensor"
             elif var._post_accumulate_grad_hooks:
                 w.hook_reason = "a post-accumulate-grad hook is registered on a leaf tensor"
-            extra = (var.shape, var.stride(), var.dtype, var.device)
+            try:
+                extra = (var.shape, var.stride(), var.dtype, var.device)
+            except RuntimeError:  # a sparse CSR/CSC/BSR/BSC or MKLDNN leaf has no strides
+                w.hook_reason = w.hook_reason or f"a leaf has layout {var.layout}; the functional backward handles strided tensors only"
+                extra = (var.shape, var.layout)
         else:
             extra = tuple(node.needs_input_grad)
         key.append((cls, tuple(edges), metas, extra))
@@ -154,6 +174,17 @@ def walk(root_nodes) -> Walk:
         w.retained.sort(key=lambda r: (r[0], r[1]))
         key.append(("retain", tuple((j, nr) for j, nr, _ in w.retained)))
     return w
+
+
+def unpack_hook_reason(node, info: NodeClass) -> str | None:
+    """Why the saved values of `node` can't be read ahead of the backward: one of them has an
+    unpack hook (other than the one release_saved() installs)."""
+    for raw in info.read_raw(node):
+        for sv in raw if isinstance(raw, (list, tuple)) else (raw,):
+            hook = getattr(sv, "unpack_hook", None) if sv is not None else None
+            if hook is not None and hook is not _unpack_released:
+                return f"a saved tensor of {info.name} has an unpack hook (checkpointing or saved-tensor hooks)"
+    return None
 
 
 def read_saved(node, info: NodeClass) -> dict:
@@ -182,6 +213,9 @@ def _pack_release(tensor):
 
 def _unpack_released(_):
     raise RuntimeError(_BACKWARD_TWICE)
+
+
+_unpack_released._gpuautograd_release = True  # hooks.py: not a user's saved-tensor hook
 
 
 def release_saved(nodes, classes, kinds=(CPP, PYTHON)) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags
+from ..capture import hooks
 from ..capture.lower import Request, lower
 from ..capture.walk import release_saved, tensor_meta, walk
 from ..fusion.partition import plan_fusion
@@ -31,6 +32,7 @@ from .reference import compile_reference
 from .replay import bound_or_fused
 
 CACHE = PlanCache()
+hooks.on_eval_dropout.append(CACHE.clear)  # plans may hold the training-mode dropout rule
 
 
 class Fallback(Exception):
@@ -86,9 +88,16 @@ def prepare(roots, grads, inputs, accumulate: bool, backend: str | None):
         root_nodes.append(edge.node)
         root_nrs.append(edge.output_nr)
     w = walk(root_nodes)
+    try:
+        grad_metas = tuple(tensor_meta(g) for g in grads)
+    except RuntimeError as e:  # a sparse or nested root gradient has no strides
+        raise Fallback(f"a root gradient the functional backward cannot describe ({e})") from e
     root_edges = tuple((w.index[n], nr) for n, nr in zip(root_nodes, root_nrs))
-    input_edges = tuple(_edge(t, w.index) for t in inputs) if inputs else ()
-    key = (backend, accumulate, tuple(tensor_meta(g) for g in grads), root_edges, input_edges, tuple(w.key))
+    try:
+        input_edges = tuple(_edge(t, w.index) for t in inputs) if inputs else ()
+    except RuntimeError as e:  # e.g. a sparse CSR leaf, which has no view to find its edge through
+        raise Fallback(f"an input whose gradient edge the functional backward cannot find ({e})".splitlines()[0]) from e
+    key = (backend, accumulate, grad_metas, root_edges, input_edges, tuple(w.key))
     return w, key, root_edges, input_edges
 
 
@@ -134,9 +143,9 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
 
     retained = {(j, nr): t for j, nr, t in w.retained}
     if accumulate:
-        for (j, nr), t in zip(input_edges, inputs or ()):
-            if t.grad_fn is not None:
-                retained[(j, nr)] = t
+        for edge, t in zip(input_edges, inputs or ()):
+            if edge is not None and t.grad_fn is not None:  # None: unreachable from the roots
+                retained[edge] = t
     results = []
     adds = AddInPlace()
     with torch.no_grad():
@@ -146,8 +155,11 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
             elif g is None:
                 continue
             elif kind == "leaf":
-                if not adds.take(nodes[i].variable, g):
-                    accumulate_grad(nodes[i].variable, g, owned)
+                variable = nodes[i].variable
+                if not variable.requires_grad:
+                    continue  # frozen after the forward: AccumulateGrad skips it too
+                if not adds.take(variable, g):
+                    accumulate_grad(variable, g, owned)
             elif kind == "retain":
                 retain_grad(retained[(i, slot)], g)
         adds.run()
@@ -186,6 +198,14 @@ def unsupported_reason(w, grads) -> str | None:
             return "complex gradients are not supported"
         if t.layout != torch.strided:
             return f"{t.layout} gradients are not supported"
+    # Checked on a miss only: a saved tensor or leaf of another layout has no strides, so a graph
+    # holding one never hits a plan captured for strided tensors.
+    for t in w.saved:
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            return f"a saved tensor has layout {t.layout}; the functional backward handles strided tensors only"
+    for node, info in zip(w.nodes, w.classes):
+        if info.kind == "accumulate" and node.variable.layout != torch.strided:
+            return f"a leaf has layout {node.variable.layout}; the functional backward handles strided tensors only"
     for entry in w.key:
         for meta in entry[2] if isinstance(entry[0], type) else ():
             if meta[1].is_complex:

@@ -115,13 +115,21 @@ def main(argv=None) -> int:
     ap.add_argument("test_file", type=Path, help="a copy of PyTorch's test/test_autograd.py")
     ap.add_argument("--json", type=Path, help="also write the summary as JSON here")
     ap.add_argument("-k", dest="keyword", help="pytest -k expression, to run a subset")
+    ap.add_argument("--plain-from", type=Path, help="reuse this junit report of an earlier plain run (same file and torch)")
+    ap.add_argument("--keep", type=Path, help="copy both junit reports into this folder")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="yardstick-") as tmp:
         work = Path(tmp)
         test_file, dropped = prepared_copy(args.test_file.resolve(), work)
-        run_pytest(test_file, work / "plain.xml", False, args.keyword)
+        plain = args.plain_from or work / "plain.xml"
+        if args.plain_from is None:
+            run_pytest(test_file, plain, False, args.keyword)
         run_pytest(test_file, work / "enable.xml", True, args.keyword)
-        summary = compare(read_junit(work / "plain.xml"), read_junit(work / "enable.xml"))
+        summary = compare(read_junit(plain), read_junit(work / "enable.xml"))
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            for report in (plain, work / "enable.xml"):
+                (args.keep / report.name).write_bytes(report.read_bytes())
     print(report_text(summary, dropped))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))

@@ -51,6 +51,7 @@ def install() -> None:
 
     _watch_saved_tensor_hooks()
     _watch_eval_dropout()
+    _watch_materialize_grads()
     register_hook.__doc__ = original_register_hook.__doc__
     retain_grad.__doc__ = original_retain_grad.__doc__
     torch.Tensor.register_hook = register_hook
@@ -105,3 +106,20 @@ def _watch_eval_dropout() -> None:
 
     native_dropout.__doc__ = original.__doc__
     torch.native_dropout = native_dropout
+
+
+MATERIALIZE_ATTR = "_gpuautograd_materialize_grads"
+
+
+def _watch_materialize_grads() -> None:
+    """ctx.set_materialize_grads(False) sets an attribute torch does not let Python read back;
+    remember the value on the ctx (the custom Function's node) where the driver can read it."""
+    ctx_cls = torch.autograd.function.FunctionCtx
+    original = ctx_cls.set_materialize_grads
+
+    def set_materialize_grads(self, value: bool):
+        setattr(self, MATERIALIZE_ATTR, value)
+        return original(self, value)
+
+    set_materialize_grads.__doc__ = original.__doc__
+    ctx_cls.set_materialize_grads = set_materialize_grads

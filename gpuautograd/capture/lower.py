@@ -17,6 +17,7 @@ from ..ir.builder import Builder, IRError
 from ..ir.program import InputSpec, OutputSpec, Program, Value
 from ..ir.types import NodeType, TensorType
 from ..rules.registry import lookup
+from . import hooks
 from .nodeview import NodeView, as_signed
 from .walk import ACCUMULATE, CPP, Walk, read_saved, saved_key
 
@@ -216,7 +217,7 @@ def _opaque(b, w, i, grads, in_types, out_types, needs, none_ok):
     node, info = w.nodes[i], w.classes[i]
     node_value = b.input(NodeType(info.name), InputSpec("node", i, info.name))
     python_positions = None
-    if info.kind == CPP or not getattr(node, "materialize_grads", True):
+    if info.kind == CPP or not getattr(node, hooks.MATERIALIZE_ATTR, True):
         # A C++ node takes an undefined gradient as None, as the engine passes it; so does a custom
         # Function that called ctx.set_materialize_grads(False).
         present = tuple(g is not None for g in grads)

@@ -26,6 +26,9 @@ saved_hooks_seen = False
 # rule). Called when the flag flips, so plans captured before it are dropped (engine registers).
 eval_dropout_seen = False
 on_eval_dropout: list = []
+# Whether any leaf's grad_dtype was ever set: until then every leaf's .grad takes the leaf's dtype
+# and the walk need not read it.
+grad_dtype_seen = False
 
 
 def _track(t: torch.Tensor) -> None:
@@ -52,6 +55,7 @@ def install() -> None:
     _watch_saved_tensor_hooks()
     _watch_eval_dropout()
     _watch_materialize_grads()
+    _watch_grad_dtype()
     register_hook.__doc__ = original_register_hook.__doc__
     retain_grad.__doc__ = original_retain_grad.__doc__
     torch.Tensor.register_hook = register_hook
@@ -123,3 +127,14 @@ def _watch_materialize_grads() -> None:
 
     set_materialize_grads.__doc__ = original.__doc__
     ctx_cls.set_materialize_grads = set_materialize_grads
+
+
+def _watch_grad_dtype() -> None:
+    descriptor = torch._C.TensorBase.__dict__["grad_dtype"]
+
+    def set_grad_dtype(self, value):
+        global grad_dtype_seen
+        grad_dtype_seen = True
+        descriptor.__set__(self, value)
+
+    torch.Tensor.grad_dtype = property(descriptor.__get__, set_grad_dtype, doc=descriptor.__doc__)

@@ -118,7 +118,7 @@ def lower(w: Walk, req: Request) -> Program:
                 sink_values[(i, s)] = g
         if info.kind == ACCUMULATE or not executes[i] or all(g is None for g in grads):
             continue
-        out_types = [None if e is None else _meta_type(metas[e[0]][e[1]]) for e in edges[i]]
+        out_types = [None if e is None else _edge_type(w, metas, e) for e in edges[i]]
         needs = [e is not None and (e in targets or executes[e[0]]) for e in edges[i]]
         rule = lookup(info.name) if info.kind == CPP else None
         if rule is not None:
@@ -158,6 +158,16 @@ def lower(w: Walk, req: Request) -> Program:
     b.program.executed = [i for i in order if executes[i]]
     b.program.declined = declined
     return b.program
+
+
+def _edge_type(w: Walk, metas, e) -> TensorType:
+    """What the node at the end of edge `e` expects; a leaf with a grad_dtype takes that dtype."""
+    t = _meta_type(metas[e[0]][e[1]])
+    if hooks.grad_dtype_seen and w.classes[e[0]].kind == ACCUMULATE:
+        grad_dtype = w.nodes[e[0]].variable.grad_dtype
+        if grad_dtype is not None and grad_dtype != t.dtype:
+            t = TensorType(t.shape, grad_dtype, t.device)
+    return t
 
 
 def _saved_values(b: Builder, w: Walk, i: int, base: int) -> dict:

@@ -104,6 +104,7 @@ def walk(root_nodes) -> Walk:
     nodes, classes, saved, key, index = w.nodes, w.classes, w.saved, w.key, w.index
     saved_start = w.saved_start
     known = _CLASSES
+    grad_dtypes = hooks.grad_dtype_seen  # else every leaf's grad_dtype is its dtype
     for n in root_nodes:
         if n not in index:
             index[n] = len(nodes)
@@ -159,6 +160,10 @@ def walk(root_nodes) -> Walk:
             except RuntimeError:  # a sparse CSR/CSC/BSR/BSC or MKLDNN leaf has no strides
                 w.hook_reason = w.hook_reason or f"a leaf has layout {var.layout}; the functional backward handles strided tensors only"
                 extra = (var.shape, var.layout)
+            if grad_dtypes and var.grad_dtype != var.dtype:
+                if var.grad_dtype is None:  # .grad keeps whatever dtype arrives, known only at run time
+                    w.hook_reason = w.hook_reason or "a leaf's grad_dtype is None (its .grad keeps the incoming dtype)"
+                extra = (*extra, var.grad_dtype)
         else:
             extra = tuple(node.needs_input_grad)
         key.append((cls, tuple(edges), metas, extra))

@@ -230,11 +230,11 @@ def test_gradcheck_of_a_function_without_outputs():
 
 
 def test_scripted_grad_is_not_routed():
-    @torch.jit.script
-    def scripted(middle, orig):
-        return torch.autograd.grad([(middle * middle).sum()], [orig], retain_graph=True)
-
     def run():
+        @torch.jit.script  # scripted while grad() is routed: it must compile to aten::grad
+        def scripted(middle, orig):
+            return torch.autograd.grad([(middle * middle).sum()], [orig], retain_graph=True)
+
         x = torch.randn(4, dtype=torch.double, requires_grad=True)
         return scripted(x * 3, x)[0]
 
@@ -314,3 +314,31 @@ def test_unused_input_error_is_torchs_text():
     with gpuautograd.enable(), pytest.raises(RuntimeError) as ours:
         torch.autograd.grad((x * 2).sum(), [x, y])
     assert str(ours.value) == str(eager.value)
+
+
+# L: a leaf's grad_dtype
+class _ToDouble(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(torch.float64)
+
+
+@pytest.mark.parametrize("grad_dtype", [None, torch.float16, torch.float32])
+def test_leaf_grad_dtype_is_honoured(grad_dtype):
+    def run():
+        x = torch.tensor([3.0, 4.0], requires_grad=True)
+        x.grad_dtype = grad_dtype
+        _ToDouble.apply(x).sum().backward()
+        y = torch.tensor([1.0, 2.0], requires_grad=True)
+        y.grad_dtype = grad_dtype
+        (y.exp() * 2).sum().backward()
+        return x.grad, y.grad
+
+    (ax, ay), (ex, ey) = both(run)
+    assert ax.dtype == ex.dtype and ay.dtype == ey.dtype
+    assert_close(ax, ex)
+    assert_close(ay, ey)

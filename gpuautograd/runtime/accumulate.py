@@ -49,7 +49,7 @@ def accumulate_grad(variable: torch.Tensor, new_grad: torch.Tensor, owned: bool)
         elif existing.layout == torch.strided:
             existing.add_(new_grad)
         else:
-            variable.grad = existing + new_grad
+            variable.grad = new_grad + existing  # torch has no add(sparse, dense)
         return
     if existing is None:
         if owned and obeys_layout_contract(new_grad, variable):

@@ -77,7 +77,10 @@ def read_junit(junit: Path) -> dict[str, Outcome]:
     return results
 
 
-def compare(plain: dict[str, Outcome], enabled: dict[str, Outcome]) -> dict:
+def compare(plain: dict[str, Outcome], enabled: dict[str, Outcome], subset: bool = False) -> dict:
+    """`subset`: the enable() run selected some tests (-k); compare those only."""
+    if subset:
+        plain = {t: o for t, o in plain.items() if t in enabled}
     passed_plain = sorted(t for t, o in plain.items() if o.status == "passed")
     regressions = [t for t in passed_plain if enabled.get(t, Outcome("missing")).status != "passed"]
     functional = [t for t in regressions if "functional" in enabled[t].marks] if regressions else []
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
         if args.plain_from is None:
             run_pytest(test_file, plain, False, args.keyword)
         run_pytest(test_file, work / "enable.xml", True, args.keyword)
-        summary = compare(read_junit(plain), read_junit(work / "enable.xml"))
+        summary = compare(read_junit(plain), read_junit(work / "enable.xml"), subset=bool(args.keyword))
         if args.keep:
             args.keep.mkdir(parents=True, exist_ok=True)
             for report in (plain, work / "enable.xml"):

@@ -88,11 +88,12 @@ def _watch_saved_tensor_hooks() -> None:
     saved_tensor = autograd_c.SavedTensor
     original_register = saved_tensor.register_hooks
 
-    def register_hooks(self, pack, unpack):
+    def register_hooks(self, *args, **kwargs):
         global saved_hooks_seen
+        unpack = args[1] if len(args) > 1 else kwargs.get("unpack_hook")
         if not getattr(unpack, "_gpuautograd_release", False):
             saved_hooks_seen = True
-        return original_register(self, pack, unpack)
+        return original_register(self, *args, **kwargs)  # torch checks the arguments
 
     saved_tensor.register_hooks = register_hooks
 

@@ -105,6 +105,7 @@ def walk(root_nodes) -> Walk:
     saved_start = w.saved_start
     known = _CLASSES
     grad_dtypes = hooks.grad_dtype_seen  # else every leaf's grad_dtype is its dtype
+    saved_hooks = hooks.saved_hooks_seen  # else no saved value has an unpack hook
     for n in root_nodes:
         if n not in index:
             index[n] = len(nodes)
@@ -125,18 +126,18 @@ def walk(root_nodes) -> Walk:
             edges.append((j, nr))
         try:
             ims = node._input_metadata
+            if len(ims) == 1:
+                m = ims[0]
+                metas = ((tuple(m.shape), m.dtype, m.device),)
+            else:
+                metas = tuple([(tuple(m.shape), m.dtype, m.device) for m in ims])
         except RuntimeError as e:  # a nested tensor's metadata has no plain shape
             w.hook_reason = w.hook_reason or f"{info.name} takes a gradient this walk cannot describe ({e})"
-            ims = ()
-        if len(ims) == 1:
-            m = ims[0]
-            metas = ((tuple(m.shape), m.dtype, m.device),)
-        else:
-            metas = tuple([(tuple(m.shape), m.dtype, m.device) for m in ims])
+            metas = ()
         kind = info.kind
         saved_start.append(len(saved))
         if kind is CPP:
-            if hooks.saved_hooks_seen and info.raw_names and (reason := unpack_hook_reason(node, info)):
+            if saved_hooks and info.raw_names and (reason := unpack_hook_reason(node, info)):
                 # Reading _saved_<name> would run the unpack hook (a checkpoint recomputes its
                 # function on every read outside a backward); eager runs it once, as it executes.
                 w.hook_reason = w.hook_reason or reason
@@ -145,25 +146,9 @@ def walk(root_nodes) -> Walk:
                 try:
                     extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
                 except RuntimeError as e:
-                    # Freed by an earlier backward, or a saved value without strides (sparse, MKLDNN):
-                    # fine while the node does not run; lower() raises torch's error if it must.
-                    del saved[saved_start[-1] :]
-                    extra = ("unreadable", str(e)[:80])
+                    extra = _unreadable(saved, saved_start[-1], e)
         elif kind is ACCUMULATE:
-            var = node.variable
-            if var._backward_hooks:
-                w.hook_reason = "a hook is registered on a leaf tensor"
-            elif var._post_accumulate_grad_hooks:
-                w.hook_reason = "a post-accumulate-grad hook is registered on a leaf tensor"
-            try:
-                extra = (var.shape, var.stride(), var.dtype, var.device)
-            except RuntimeError:  # a sparse CSR/CSC/BSR/BSC or MKLDNN leaf has no strides
-                w.hook_reason = w.hook_reason or f"a leaf has layout {var.layout}; the functional backward handles strided tensors only"
-                extra = (var.shape, var.layout)
-            if grad_dtypes and var.grad_dtype != var.dtype:
-                if var.grad_dtype is None:  # .grad keeps whatever dtype arrives, known only at run time
-                    w.hook_reason = w.hook_reason or "a leaf's grad_dtype is None (its .grad keeps the incoming dtype)"
-                extra = (*extra, var.grad_dtype)
+            extra = _leaf_extra(w, node.variable, grad_dtypes)
         else:
             extra = tuple(node.needs_input_grad)
         key.append((cls, tuple(edges), metas, extra))
@@ -179,6 +164,31 @@ def walk(root_nodes) -> Walk:
         w.retained.sort(key=lambda r: (r[0], r[1]))
         key.append(("retain", tuple((j, nr) for j, nr, _ in w.retained)))
     return w
+
+
+def _unreadable(saved: list, start: int, error: RuntimeError) -> tuple:
+    """The key of a node whose saved values can't be read: freed by an earlier backward, or without
+    strides (sparse, MKLDNN). Fine while the node does not run; lower() raises torch's error if it must."""
+    del saved[start:]
+    return ("unreadable", str(error)[:80])
+
+
+def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool) -> tuple:
+    """The key of an AccumulateGrad node; notes in `w.hook_reason` what only eager can honour."""
+    if var._backward_hooks:
+        w.hook_reason = "a hook is registered on a leaf tensor"
+    elif var._post_accumulate_grad_hooks:
+        w.hook_reason = "a post-accumulate-grad hook is registered on a leaf tensor"
+    try:
+        extra = (var.shape, var.stride(), var.dtype, var.device)
+    except RuntimeError:  # a sparse CSR/CSC/BSR/BSC or MKLDNN leaf has no strides
+        w.hook_reason = w.hook_reason or f"a leaf has layout {var.layout}; the functional backward handles strided tensors only"
+        return (var.shape, var.layout)
+    if grad_dtypes and var.grad_dtype != var.dtype:
+        if var.grad_dtype is None:  # .grad keeps whatever dtype arrives, known only at run time
+            w.hook_reason = w.hook_reason or "a leaf's grad_dtype is None (its .grad keeps the incoming dtype)"
+        extra = (*extra, var.grad_dtype)
+    return extra
 
 
 def unpack_hook_reason(node, info: NodeClass) -> str | None:

@@ -295,7 +295,12 @@ def test_leaf_frozen_after_forward_gets_no_grad():
     assert_close(aw, ew)
 
 
-def test_native_dropout_in_eval_mode_has_unit_scale():
+def test_native_dropout_in_eval_mode_has_unit_scale(monkeypatch):
+    from gpuautograd.capture import hooks
+
+    # The flag is process-wide and one-way; keep it from leaking into the dropout rule's own tests.
+    monkeypatch.setattr(hooks, "eval_dropout_seen", False)
+
     def run():
         x = torch.randn(6, dtype=torch.double, requires_grad=True)
         out, _ = torch.native_dropout(x, 0.5, False)

@@ -181,9 +181,9 @@ def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool) -> tuple:
         w.hook_reason = "a post-accumulate-grad hook is registered on a leaf tensor"
     try:
         extra = (var.shape, var.stride(), var.dtype, var.device)
-    except RuntimeError:  # a sparse CSR/CSC/BSR/BSC or MKLDNN leaf has no strides
-        w.hook_reason = w.hook_reason or f"a leaf has layout {var.layout}; the functional backward handles strided tensors only"
-        return (var.shape, var.layout)
+    except RuntimeError:  # a sparse CSR/CSC/BSR/BSC, MKLDNN or nested leaf has no strides
+        w.hook_reason = w.hook_reason or f"a {var.layout} leaf: the functional backward handles strided tensors only"
+        return ("no strides", var.layout, var.is_nested)
     if grad_dtypes and var.grad_dtype != var.dtype:
         if var.grad_dtype is None:  # .grad keeps whatever dtype arrives, known only at run time
             w.hook_reason = w.hook_reason or "a leaf's grad_dtype is None (its .grad keeps the incoming dtype)"

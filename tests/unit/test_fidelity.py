@@ -347,3 +347,18 @@ def test_leaf_grad_dtype_is_honoured(grad_dtype):
     assert ax.dtype == ex.dtype and ay.dtype == ey.dtype
     assert_close(ax, ex)
     assert_close(ay, ey)
+
+
+def test_nested_leaf_keeps_eagers_inplace_error():
+    # sum() saves its nested input; the in-place add must make the backward raise as in eager
+    def run():
+        nt = torch.nested.nested_tensor([torch.rand(2), torch.rand(2)], requires_grad=True)
+        x = nt.clone()
+        res = x.sum(-1, keepdim=True)
+        x.add_(x)
+        res.backward(torch.nested.nested_tensor([torch.rand(1), torch.rand(1)]))
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run()
+    with gpuautograd.enable(), pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run()

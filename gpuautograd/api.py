@@ -9,11 +9,14 @@ one-time warning naming the reason.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.autograd as _autograd
+from torch.autograd.graph import GradientEdge
+from torch.overrides import handle_torch_function, has_torch_function
 
 from . import distributed
 from .capture import hooks, native_walk
@@ -38,6 +41,25 @@ def _as_tuple(x) -> tuple:
     if isinstance(x, torch.Tensor):
         return (x,)
     return tuple(x)
+
+
+def _has_gradient_edge(x) -> bool:
+    if isinstance(x, GradientEdge):
+        return True
+    return isinstance(x, (list, tuple)) and any(isinstance(e, GradientEdge) for e in x)
+
+
+@functools.cache
+def _unused_input_message() -> str:
+    """The text of torch's "not used in the graph" error, from the torch that runs (it changed
+    across versions), with the input index as a {} placeholder."""
+    a = torch.zeros(1, requires_grad=True)
+    b = torch.zeros(1, requires_grad=True)
+    try:
+        _eager_grad(a * 1, [a, b])
+    except RuntimeError as e:
+        return str(e).replace("index 1", "index {}")
+    return "One of the differentiated Tensors (index {}) appears to not have been used in the graph."
 
 
 def _make_grads(outputs, grads) -> list[torch.Tensor]:
@@ -72,6 +94,9 @@ def backward(
     backend: str | None = None,
 ) -> None:
     """Drop-in for `torch.autograd.backward`: accumulates gradients into the leaves' `.grad`."""
+    if _has_gradient_edge(tensors) or _has_gradient_edge(inputs) or (tensors is not None and len(_as_tuple(tensors)) == 0):
+        warn_fallback("GradientEdge roots or inputs, or no roots at all, need eager autograd")
+        return _eager_backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
     if inputs is not None and len(_as_tuple(inputs)) == 0:
         raise RuntimeError("'inputs' argument to backward() cannot be empty.")
     tensors = _as_tuple(tensors)
@@ -107,6 +132,11 @@ def grad(
     backend: str | None = None,
 ):
     """Drop-in for `torch.autograd.grad`: returns the gradients, touches no `.grad`."""
+    if _has_gradient_edge(outputs) or _has_gradient_edge(inputs) or len(_as_tuple(outputs)) == 0 or len(_as_tuple(inputs)) == 0:
+        warn_fallback("GradientEdge outputs or inputs, or empty outputs or inputs, need eager autograd")
+        return _eager_grad(
+            outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused=allow_unused, materialize_grads=materialize_grads
+        )
     outputs = _as_tuple(outputs)
     inputs_t = _as_tuple(inputs)
     if allow_unused is None:
@@ -136,10 +166,7 @@ def grad(
             if materialize_grads:
                 results[k] = torch.zeros_like(inputs_t[k])
             elif not allow_unused:
-                raise RuntimeError(
-                    "One of the differentiated Tensors appears to not have been used in the graph. "
-                    "Set allow_unused=True if this is the desired behavior."
-                )
+                raise RuntimeError(_unused_input_message().format(k))
     return tuple(results)
 
 
@@ -152,6 +179,11 @@ def enable(backend: str | None = None):
     def routed_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):
         if grad_variables is not None:
             grad_tensors = grad_variables
+        roots = tensors if isinstance(tensors, (list, tuple)) else (tensors,)
+        if has_torch_function(roots):  # as torch.autograd.backward: a subclass may take over
+            return handle_torch_function(
+                routed_backward, roots, tensors, grad_tensors, retain_graph, create_graph, inputs=inputs
+            )
         return backward(tensors, grad_tensors, retain_graph, create_graph, inputs, backend=backend)
 
     def routed_grad(
@@ -186,10 +218,17 @@ def enable(backend: str | None = None):
         return backward(self, gradient, retain_graph, create_graph, inputs, backend=backend)
 
     _autograd.backward, _autograd.grad, torch.Tensor.backward = routed_backward, routed_grad, tensor_backward
+    # TorchScript compiles calls of torch.autograd.grad/backward to its own ops; without these
+    # entries it would try to script gpuautograd's Python. Scripted code keeps eager autograd.
+    builtins = torch.jit._builtins
+    builtins._register_builtin(routed_grad, "aten::grad")
+    builtins._register_builtin(routed_backward, "aten::backward")
     try:
         yield
     finally:
         _autograd.backward, _autograd.grad, torch.Tensor.backward = saved
+        for fn in (routed_grad, routed_backward):
+            builtins._get_builtin_table().pop(id(fn), None)
 
 
 @dataclass

@@ -17,6 +17,18 @@ import torch
 # id(tensor) -> tensor; entries vanish with their tensor, so a reused id is never stale.
 _tracked: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _installed = False
+# Whether saved-tensor hooks were ever installed (torch.autograd.graph.saved_tensors_hooks,
+# checkpointing, SavedTensor.register_hooks by the user): until then no saved value can carry an
+# unpack hook, and the walk skips looking for them.
+saved_hooks_seen = False
+# Whether torch.native_dropout was ever called from Python with train=False: its node keeps no
+# `train` flag, so from then on its rule defers to the live node (see the NativeDropoutBackward0
+# rule). Called when the flag flips, so plans captured before it are dropped (engine registers).
+eval_dropout_seen = False
+on_eval_dropout: list = []
+# Whether any leaf's grad_dtype was ever set: until then every leaf's .grad takes the leaf's dtype
+# and the walk need not read it.
+grad_dtype_seen = False
 
 
 def _track(t: torch.Tensor) -> None:
@@ -40,6 +52,10 @@ def install() -> None:
         original_retain_grad(self)
         _track(self)
 
+    _watch_saved_tensor_hooks()
+    _watch_eval_dropout()
+    _watch_materialize_grads()
+    _watch_grad_dtype()
     register_hook.__doc__ = original_register_hook.__doc__
     retain_grad.__doc__ = original_retain_grad.__doc__
     torch.Tensor.register_hook = register_hook
@@ -55,3 +71,71 @@ def install() -> None:
 def tracked_tensors() -> list[torch.Tensor]:
     """The live non-leaf tensors that have had a hook registered or retain_grad() called."""
     return list(_tracked.values())
+
+
+def _watch_saved_tensor_hooks() -> None:
+    """Note the first use of saved-tensor hooks: the default-hooks stack that
+    saved_tensors_hooks (and so checkpoint) pushes, and per-tensor register_hooks."""
+    autograd_c = torch._C._autograd
+    original_push = autograd_c._push_saved_tensors_default_hooks
+
+    def push(pack, unpack):
+        global saved_hooks_seen
+        saved_hooks_seen = True
+        return original_push(pack, unpack)
+
+    autograd_c._push_saved_tensors_default_hooks = push
+    saved_tensor = autograd_c.SavedTensor
+    original_register = saved_tensor.register_hooks
+
+    def register_hooks(self, *args, **kwargs):
+        global saved_hooks_seen
+        unpack = args[1] if len(args) > 1 else kwargs.get("unpack_hook")
+        if not getattr(unpack, "_gpuautograd_release", False):
+            saved_hooks_seen = True
+        return original_register(self, *args, **kwargs)  # torch checks the arguments
+
+    saved_tensor.register_hooks = register_hooks
+
+
+def _watch_eval_dropout() -> None:
+    original = torch.native_dropout
+
+    def native_dropout(input, p, train):
+        global eval_dropout_seen
+        if train is False and not eval_dropout_seen:
+            eval_dropout_seen = True
+            for callback in on_eval_dropout:
+                callback()
+        return original(input, p, train)
+
+    native_dropout.__doc__ = original.__doc__
+    torch.native_dropout = native_dropout
+
+
+MATERIALIZE_ATTR = "_gpuautograd_materialize_grads"
+
+
+def _watch_materialize_grads() -> None:
+    """ctx.set_materialize_grads(False) sets an attribute torch does not let Python read back;
+    remember the value on the ctx (the custom Function's node) where the driver can read it."""
+    ctx_cls = torch.autograd.function.FunctionCtx
+    original = ctx_cls.set_materialize_grads
+
+    def set_materialize_grads(self, value: bool):
+        setattr(self, MATERIALIZE_ATTR, value)
+        return original(self, value)
+
+    set_materialize_grads.__doc__ = original.__doc__
+    ctx_cls.set_materialize_grads = set_materialize_grads
+
+
+def _watch_grad_dtype() -> None:
+    descriptor = torch._C.TensorBase.__dict__["grad_dtype"]
+
+    def set_grad_dtype(self, value):
+        global grad_dtype_seen
+        grad_dtype_seen = True
+        descriptor.__set__(self, value)
+
+    torch.Tensor.grad_dtype = property(descriptor.__get__, set_grad_dtype, doc=descriptor.__doc__)

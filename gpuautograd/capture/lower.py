@@ -17,6 +17,7 @@ from ..ir.builder import Builder, IRError
 from ..ir.program import InputSpec, OutputSpec, Program, Value
 from ..ir.types import NodeType, TensorType
 from ..rules.registry import lookup
+from . import hooks
 from .nodeview import NodeView, as_signed
 from .walk import ACCUMULATE, CPP, Walk, read_saved, saved_key
 
@@ -84,6 +85,20 @@ def lower(w: Walk, req: Request) -> Program:
             continue
         executes[i] = run_all or any(e is not None and (e in targets or executes[e[0]]) for e in edges[i])
 
+    # How many gradients flow into each (node, slot): an opaque node's missing gradient may stay
+    # missing (None, as eager leaves it) only where it is the sole gradient reaching a sink.
+    fan_in: dict[tuple[int, int], int] = {}
+    for e in req.roots:
+        fan_in[e] = fan_in.get(e, 0) + 1
+    for i in range(n):
+        if executes[i]:
+            for e in edges[i]:
+                if e is not None:
+                    fan_in[e] = fan_in.get(e, 0) + 1
+
+    def sole_to_sink(e) -> bool:
+        return e is not None and fan_in.get(e) == 1 and (e in targets or e in retained)
+
     b = Builder()
     pending: dict[tuple[int, int], list[Value]] = {}
     for k, ((j, nr), t) in enumerate(zip(req.roots, req.root_types)):
@@ -103,7 +118,7 @@ def lower(w: Walk, req: Request) -> Program:
                 sink_values[(i, s)] = g
         if info.kind == ACCUMULATE or not executes[i] or all(g is None for g in grads):
             continue
-        out_types = [None if e is None else _meta_type(metas[e[0]][e[1]]) for e in edges[i]]
+        out_types = [None if e is None else _edge_type(w, metas, e) for e in edges[i]]
         needs = [e is not None and (e in targets or executes[e[0]]) for e in edges[i]]
         rule = lookup(info.name) if info.kind == CPP else None
         if rule is not None:
@@ -121,7 +136,8 @@ def lower(w: Walk, req: Request) -> Program:
             if outs is not None and len(outs) != len(out_types):
                 raise CaptureError(f"the rule for {info.name} returned {len(outs)} gradients for {len(out_types)} edges")
         if rule is None or outs is None:
-            outs = _opaque(b, w, i, grads, [_meta_type(m) for m in metas[i]], out_types, needs)
+            none_ok = tuple(sole_to_sink(e) for e in edges[i])
+            outs = _opaque(b, w, i, grads, [_meta_type(m) for m in metas[i]], out_types, needs, none_ok)
         for k, (g, e) in enumerate(zip(outs, edges[i])):
             if g is None or e is None or not needs[k]:
                 continue
@@ -148,6 +164,16 @@ def _saved_layouts(w: Walk, i: int) -> dict[str, bool]:
     """Whether each saved tensor of node i is contiguous (the key holds their strides)."""
     saved = read_saved(w.nodes[i], w.classes[i])
     return {name: v.is_contiguous() for name, v in saved.items() if isinstance(v, torch.Tensor)}
+
+
+def _edge_type(w: Walk, metas, e) -> TensorType:
+    """What the node at the end of edge `e` expects; a leaf with a grad_dtype takes that dtype."""
+    t = _meta_type(metas[e[0]][e[1]])
+    if hooks.grad_dtype_seen and w.classes[e[0]].kind == ACCUMULATE:
+        grad_dtype = w.nodes[e[0]].variable.grad_dtype
+        if grad_dtype is not None and grad_dtype != t.dtype:
+            t = TensorType(t.shape, grad_dtype, t.device)
+    return t
 
 
 def _saved_values(b: Builder, w: Walk, i: int, base: int) -> dict:
@@ -203,25 +229,29 @@ def _expandable(shape, to) -> bool:
         return False
 
 
-def _opaque(b, w, i, grads, in_types, out_types, needs):
+def _opaque(b, w, i, grads, in_types, out_types, needs, none_ok):
     node, info = w.nodes[i], w.classes[i]
     node_value = b.input(NodeType(info.name), InputSpec("node", i, info.name))
     python_positions = None
-    if info.kind == CPP:
-        # A C++ node takes an undefined gradient as None, as the engine passes it.
+    if info.kind == CPP or not getattr(node, hooks.MATERIALIZE_ATTR, True):
+        # A C++ node takes an undefined gradient as None, as the engine passes it; so does a custom
+        # Function that called ctx.set_materialize_grads(False).
         present = tuple(g is not None for g in grads)
         args = [g for g in grads if g is not None]
     else:
         # A custom Function gets zeros for undefined gradients, as its materialize_grads does.
         present = (True,) * len(grads)
         args = [g if g is not None else b.zeros(t) for g, t in zip(grads, in_types)]
+    if info.kind != CPP:
         # A custom Function returns one gradient per forward argument; edges exist for tensor
         # arguments only. The arguments that need a gradient map, in order, onto the valid edges.
         wanted = [k for k, flag in enumerate(node.needs_input_grad) if flag]
         it = iter(wanted)
         python_positions = tuple(next(it, None) if e is not None else None for e in w.key[i][1])
     types = tuple(None if t is None or not needs[k] else (t.shape, t.dtype, t.device) for k, t in enumerate(out_types))
-    return b.emit("opaque", node_value, *args, present=present, out_types=types, python_positions=python_positions)
+    return b.emit(
+        "opaque", node_value, *args, present=present, out_types=types, python_positions=python_positions, none_ok=none_ok
+    )
 
 
 __all__ = ["CaptureError", "IRError", "Request", "lower"]

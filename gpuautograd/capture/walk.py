@@ -105,6 +105,8 @@ def walk(root_nodes) -> Walk:
     nodes, classes, saved, key, index = w.nodes, w.classes, w.saved, w.key, w.index
     saved_start = w.saved_start
     known = _CLASSES
+    grad_dtypes = hooks.grad_dtype_seen  # else every leaf's grad_dtype is its dtype
+    saved_hooks = hooks.saved_hooks_seen  # else no saved value has an unpack hook
     for n in root_nodes:
         if n not in index:
             index[n] = len(nodes)
@@ -123,23 +125,31 @@ def walk(root_nodes) -> Walk:
                 j = index[nxt] = len(nodes)
                 nodes.append(nxt)
             edges.append((j, nr))
-        ims = node._input_metadata
-        if len(ims) == 1:
-            m = ims[0]
-            metas = ((tuple(m.shape), m.dtype, m.device),)
-        else:
-            metas = tuple([(tuple(m.shape), m.dtype, m.device) for m in ims])
+        try:
+            ims = node._input_metadata
+            if len(ims) == 1:
+                m = ims[0]
+                metas = ((tuple(m.shape), m.dtype, m.device),)
+            else:
+                metas = tuple([(tuple(m.shape), m.dtype, m.device) for m in ims])
+        except RuntimeError as e:  # a nested tensor's metadata has no plain shape
+            w.hook_reason = w.hook_reason or f"{info.name} takes a gradient this walk cannot describe ({e})"
+            metas = ()
         kind = info.kind
         saved_start.append(len(saved))
         if kind is CPP:
-            extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
+            if saved_hooks and info.raw_names and (reason := unpack_hook_reason(node, info)):
+                # Reading _saved_<name> would run the unpack hook (a checkpoint recomputes its
+                # function on every read outside a backward); eager runs it once, as it executes.
+                w.hook_reason = w.hook_reason or reason
+                extra = ("unpack hooks",)
+            else:
+                try:
+                    extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
+                except RuntimeError as e:
+                    extra = _unreadable(saved, saved_start[-1], e)
         elif kind is ACCUMULATE:
-            var = node.variable
-            if var._backward_hooks:
-                w.hook_reason = "a hook is registered on a leaf tensor"
-            elif var._post_accumulate_grad_hooks:
-                w.hook_reason = "a post-accumulate-grad hook is registered on a leaf tensor"
-            extra = (var.shape, var.stride(), var.dtype, var.device)
+            extra = _leaf_extra(w, node.variable, grad_dtypes)
         else:
             extra = tuple(node.needs_input_grad)
         key.append((cls, tuple(edges), metas, extra))
@@ -155,6 +165,42 @@ def walk(root_nodes) -> Walk:
         w.retained.sort(key=lambda r: (r[0], r[1]))
         key.append(("retain", tuple((j, nr) for j, nr, _ in w.retained)))
     return w
+
+
+def _unreadable(saved: list, start: int, error: RuntimeError) -> tuple:
+    """The key of a node whose saved values can't be read: freed by an earlier backward, or without
+    strides (sparse, MKLDNN). Fine while the node does not run; lower() raises torch's error if it must."""
+    del saved[start:]
+    return ("unreadable", str(error)[:80])
+
+
+def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool) -> tuple:
+    """The key of an AccumulateGrad node; notes in `w.hook_reason` what only eager can honour."""
+    if var._backward_hooks:
+        w.hook_reason = "a hook is registered on a leaf tensor"
+    elif var._post_accumulate_grad_hooks:
+        w.hook_reason = "a post-accumulate-grad hook is registered on a leaf tensor"
+    try:
+        extra = (var.shape, var.stride(), var.dtype, var.device)
+    except RuntimeError:  # a sparse CSR/CSC/BSR/BSC, MKLDNN or nested leaf has no strides
+        w.hook_reason = w.hook_reason or f"a {var.layout} leaf: the functional backward handles strided tensors only"
+        return ("no strides", var.layout, var.is_nested)
+    if grad_dtypes and var.grad_dtype != var.dtype:
+        if var.grad_dtype is None:  # .grad keeps whatever dtype arrives, known only at run time
+            w.hook_reason = w.hook_reason or "a leaf's grad_dtype is None (its .grad keeps the incoming dtype)"
+        extra = (*extra, var.grad_dtype)
+    return extra
+
+
+def unpack_hook_reason(node, info: NodeClass) -> str | None:
+    """Why the saved values of `node` can't be read ahead of the backward: one of them has an
+    unpack hook (other than the one release_saved() installs)."""
+    for raw in info.read_raw(node):
+        for sv in raw if isinstance(raw, (list, tuple)) else (raw,):
+            hook = getattr(sv, "unpack_hook", None) if sv is not None else None
+            if hook is not None and hook is not _unpack_released:
+                return f"a saved tensor of {info.name} has an unpack hook (checkpointing or saved-tensor hooks)"
+    return None
 
 
 def read_saved(node, info: NodeClass) -> dict:
@@ -183,6 +229,9 @@ def _pack_release(tensor):
 
 def _unpack_released(_):
     raise RuntimeError(_BACKWARD_TWICE)
+
+
+_unpack_released._gpuautograd_release = True  # hooks.py: not a user's saved-tensor hook
 
 
 def release_saved(nodes, classes, kinds=(CPP, PYTHON)) -> None:

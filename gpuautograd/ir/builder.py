@@ -183,13 +183,13 @@ class Builder:
 
     # -- indexing -------------------------------------------------------------------------
     def gather(self, x: Value, dim: int, index: Value) -> Value:
-        return self.emit("gather", x, index, dim=dim % x.ndim)
+        return self.emit("gather", x, index, dim=dim % max(x.ndim, 1))  # a 0-dim tensor takes dim 0 or -1
 
     def scatter(self, base: Value, dim: int, index: Value, src: Value) -> Value:
-        return self.emit("scatter", base, index, src, dim=dim % base.ndim)
+        return self.emit("scatter", base, index, src, dim=dim % max(base.ndim, 1))
 
     def scatter_add(self, base: Value, dim: int, index: Value, src: Value) -> Value:
-        return self.emit("scatter_add", base, index, src, dim=dim % base.ndim)
+        return self.emit("scatter_add", base, index, src, dim=dim % max(base.ndim, 1))
 
     def index(self, x: Value, indices: Sequence[Value | None]) -> Value:
         present = tuple(i is not None for i in indices)

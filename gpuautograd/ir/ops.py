@@ -374,35 +374,49 @@ def _opaque_infer(ts, attrs):
 
 
 @register_op("opaque", OPAQUE, _opaque_infer, effect=True)
-def _opaque(node, *grads, present, out_types, python_positions):
+def _opaque(node, *grads, present, out_types, python_positions, none_ok):
     """Run `node` eagerly. `present[k]` says whether incoming gradient k is given (else None, an
     undefined gradient). `python_positions` maps a custom Function's backward results (one per
     forward argument) onto its edges; it is None for C++ nodes, which return one per edge. Results
-    are validated as torch's engine does (sum to the expected shape, cast); a missing gradient on
-    an edge that needs one becomes zeros."""
+    are validated as torch's engine does (sum to the expected shape, cast). A missing gradient
+    stays None where `none_ok[k]` (it is the only gradient of a sink, so "no gradient" can reach
+    the sink as in eager); elsewhere it becomes zeros, which the program's arithmetic needs."""
     it = iter(grads)
     grads = [next(it) if p else None for p in present]
     with torch.no_grad():
         if python_positions is None:
             raw = node(*grads)
-            raw = (raw,) if isinstance(raw, torch.Tensor) else tuple(raw)
+            raw = () if raw is None else (raw,) if isinstance(raw, torch.Tensor) else tuple(raw)
             results = list(raw) + [None] * (len(out_types) - len(raw))
         else:
             raw = node.apply(*grads)
             raw = raw if isinstance(raw, tuple) else (raw,)
             results = [raw[i] if i is not None and i < len(raw) else None for i in python_positions]
         out = []
-        for r, t in zip(results, out_types):
-            if t is None:
+        for k, (r, t) in enumerate(zip(results, out_types)):
+            if t is None or (r is None and none_ok[k]):
                 out.append(None)
                 continue
             shape, dtype, device = t
             if r is None:
                 r = torch.zeros(shape, dtype=dtype, device=device)
             if tuple(r.shape) != tuple(shape):
+                if not _expandable_to(tuple(shape), tuple(r.shape)):
+                    raise RuntimeError(
+                        f"Function {node.name()} returned an invalid gradient at index {k} - got {list(r.shape)} "
+                        f"but expected shape compatible with {list(shape)}"
+                    )
                 r = r.sum_to_size(shape)
             out.append(r.to(dtype=dtype, device=device))
     return tuple(out)
+
+
+def _expandable_to(shape, to) -> bool:
+    """Whether a gradient of shape `to` reduces to `shape` (torch's is_expandable_to)."""
+    try:
+        return tuple(torch.broadcast_shapes(shape, to)) == tuple(to)
+    except RuntimeError:
+        return False
 
 
 # Library-call ops of the nn family (extern_ops), of the sequence layers (extern_sequence_ops) and

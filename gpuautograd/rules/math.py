@@ -66,9 +66,11 @@ def atan_backward(b, node, grads):
 @register("Atan2Backward0")
 def atan2_backward(b, node, grads):
     # recip = (self * self + other * other).reciprocal(); self: grad * other * recip; other: grad * -self * recip
+    # torch zeroes recip where it is infinite (at self = other = 0), so the gradient there is 0, not nan
     (g,) = grads
     x, y = node.saved("self"), node.saved("other")
-    recip = b.div(1.0, b.add(b.mul(x, x), b.mul(y, y)))
+    denom = b.add(b.mul(x, x), b.mul(y, y))
+    recip = b.where(b.eq(denom, 0.0), 0.0, b.div(1.0, denom))
     gx = b.mul(b.mul(g, y), recip) if node.needs(0) else None
     gy = b.mul(b.mul(g, b.neg(x)), recip) if node.needs(1) else None
     return [gx, gy]

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..capture import hooks
 from ..ir import composite_ops
 from .registry import register
 
@@ -276,11 +277,20 @@ def sigmoid_backward(b, node, grads):
     return [composite_ops.emit(b, "sigmoid_backward", grads[0], node.saved("result"))]
 
 
+@register("torch::autograd::UndefinedGradBackward")
+def undefined_grad_backward(b, node, grads):
+    # self: an undefined gradient (what gradcheck's check_undefined_grad sends through the graph)
+    return [None] * node.num_outputs
+
+
 @register("NativeDropoutBackward0")
 def native_dropout_backward(b, node, grads):
-    # input: grad * mask * (p == 1 ? 0 : 1 / (1 - p))
-    # torch does not expose the node's `train` flag; native_dropout is reached from F.dropout only
-    # with train=True (eval-mode dropout records no node), so the training scale is used.
+    # input: grad * mask * (!train ? 1 : p == 1 ? 0 : 1 / (1 - p))
+    # torch does not expose the node's `train` flag. F.dropout reaches native_dropout only with
+    # train=True (eval-mode dropout records no node); a direct torch.native_dropout(..., False)
+    # call is noticed (capture/hooks.py), and from then on the live node decides.
+    if hooks.eval_dropout_seen:
+        raise NotImplementedError("native_dropout was called with train=False, which its node does not record")
     p = node.saved("p")
     scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
     g = grads[0]

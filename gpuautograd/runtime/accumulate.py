@@ -42,6 +42,15 @@ def clone_obey_contract(grad: torch.Tensor, variable: torch.Tensor) -> torch.Ten
 def accumulate_grad(variable: torch.Tensor, new_grad: torch.Tensor, owned: bool) -> None:
     """`owned`: nothing else references new_grad (torch's use_count check), so it may become .grad."""
     existing = variable.grad
+    if new_grad.layout != torch.strided or (existing is not None and existing.layout != torch.strided):
+        # A sparse gradient (an opaque node's, e.g. gather(sparse_grad=True)), or a sparse .grad.
+        if existing is None:
+            variable.grad = new_grad if owned else new_grad.clone()
+        elif existing.layout == torch.strided:
+            existing.add_(new_grad)
+        else:
+            variable.grad = new_grad + existing  # torch has no add(sparse, dense)
+        return
     if existing is None:
         if owned and obeys_layout_contract(new_grad, variable):
             variable.grad = new_grad

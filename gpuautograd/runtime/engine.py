@@ -14,7 +14,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags
-from ..capture import native_walk
+from ..capture import hooks, native_walk
 from ..capture.lower import Request, lower
 from ..capture.native_walk import NATIVE, PYTHON
 from ..capture.walk import CPP, release_saved, tensor_meta, walk
@@ -35,6 +35,7 @@ from .reference import compile_reference
 from .replay import bound_or_fused
 
 CACHE = PlanCache()
+hooks.on_eval_dropout.append(CACHE.clear)  # plans may hold the training-mode dropout rule
 
 
 class Fallback(Exception):
@@ -84,7 +85,10 @@ def prepare(roots, grads, inputs, accumulate: bool, backend: str | None, walker:
     """Walk the graph and build the full cache key. Returns (walk, key, root edges, input edges).
     `walker` "native" uses the native walker where it can read the graph, else the Python walk."""
     backend = _backend(backend, roots[0].device)
-    head = (backend, accumulate, tuple(tensor_meta(g) for g in grads))
+    try:
+        head = (backend, accumulate, tuple(tensor_meta(g) for g in grads))
+    except RuntimeError as e:  # a sparse or nested root gradient has no strides
+        raise Fallback(f"a root gradient the functional backward cannot describe ({e})") from e
     if walker == NATIVE:
         w, unreadable = native_walk.walk(roots, inputs or ())
         if w is not None:
@@ -98,7 +102,10 @@ def prepare(roots, grads, inputs, accumulate: bool, backend: str | None, walker:
         root_nrs.append(edge.output_nr)
     w = walk(root_nodes)
     root_edges = tuple((w.index[n], nr) for n, nr in zip(root_nodes, root_nrs))
-    input_edges = tuple(_edge(t, w.index) for t in inputs) if inputs else ()
+    try:
+        input_edges = tuple(_edge(t, w.index) for t in inputs) if inputs else ()
+    except RuntimeError as e:  # e.g. a sparse CSR leaf, which has no view to find its edge through
+        raise Fallback(f"an input whose gradient edge the functional backward cannot find ({e})".splitlines()[0]) from e
     key = (*head, root_edges, input_edges, tuple(w.key))
     return w, key, root_edges, input_edges
 
@@ -170,9 +177,9 @@ def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: boo
 
     retained = {(j, nr): t for j, nr, t in w.retained}
     if accumulate:
-        for (j, nr), t in zip(input_edges, inputs or ()):
-            if t.grad_fn is not None:
-                retained[(j, nr)] = t
+        for edge, t in zip(input_edges, inputs or ()):
+            if edge is not None and t.grad_fn is not None:  # None: unreachable from the roots
+                retained[edge] = t
     results = []
     adds = AddInPlace()
     with torch.no_grad():
@@ -182,8 +189,11 @@ def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: boo
             elif g is None:
                 continue
             elif kind == "leaf":
-                if not adds.take(nodes[i].variable, g):
-                    accumulate_grad(nodes[i].variable, g, owned)
+                variable = nodes[i].variable
+                if not variable.requires_grad:
+                    continue  # frozen after the forward: AccumulateGrad skips it too
+                if not adds.take(variable, g):
+                    accumulate_grad(variable, g, owned)
             elif kind == "retain":
                 retain_grad(retained[(i, slot)], g)
         adds.run()
@@ -272,6 +282,14 @@ def unsupported_reason(w, grads) -> str | None:
             return "complex gradients are not supported"
         if t.layout != torch.strided:
             return f"{t.layout} gradients are not supported"
+    # Checked on a miss only: a saved tensor or leaf of another layout has no strides, so a graph
+    # holding one never hits a plan captured for strided tensors.
+    for t in w.saved:
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            return f"a saved tensor has layout {t.layout}; the functional backward handles strided tensors only"
+    for node, info in zip(w.nodes, w.classes):
+        if info.kind == "accumulate" and node.variable.layout != torch.strided:
+            return f"a leaf has layout {node.variable.layout}; the functional backward handles strided tensors only"
     for entry in w.key:
         for meta in entry[2] if isinstance(entry[0], type) else ():
             if meta[1].is_complex:

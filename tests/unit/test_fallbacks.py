@@ -152,8 +152,6 @@ def _scale_view(y):
 
 
 GRAPHS_WITH_OPAQUE_OR_HOOKED_NODES = {
-    # non-reentrant checkpoint recomputes through saved-tensor hooks when the walk reads them
-    "checkpoint": lambda x, w: torch.utils.checkpoint.checkpoint(_mlp, x, w, use_reentrant=False).sum(),
     # reentrant checkpoint is a custom Function whose backward runs the eager engine itself
     "checkpoint_reentrant": lambda x, w: torch.utils.checkpoint.checkpoint(_mlp, x, w, use_reentrant=True).sum(),
     "copy_slices": lambda x, w: _set_row((x @ w).clone()),
@@ -177,6 +175,27 @@ def test_in_place_and_checkpointed_graphs_match_eager(name):
         assert [r for r in s["fallbacks"] if "unpack hooks" not in r] == [] and s["fallbacks"], s
     else:
         assert not s["fallbacks"], s
+
+
+def test_non_reentrant_checkpoint_recomputes_as_often_as_eager():
+    # Its saved tensors carry unpack hooks that recompute the function on every read outside a
+    # backward; the walk must not read them ahead of the backward, so it falls back with the reason.
+    calls = []
+
+    def counted(x, w):
+        calls.append(1)
+        return _mlp(x, w)
+
+    x, w = rand(4, 5), rand(5, 3)
+    gpuautograd.backward(torch.utils.checkpoint.checkpoint(counted, x, w, use_reentrant=False).sum())
+    ours, ours_calls = [x.grad, w.grad], len(calls)
+    x.grad = w.grad = None
+    calls.clear()
+    torch.utils.checkpoint.checkpoint(counted, x, w, use_reentrant=False).sum().backward()
+    assert ours_calls == len(calls) == 2  # the forward, and one recomputation in the backward
+    for a, e in zip(ours, (x.grad, w.grad)):
+        assert_close(a, e)
+    assert any("unpack hook" in r for r in gpuautograd.stats()["fallbacks"])
 
 
 def test_opaque_cpp_node_gets_undefined_gradients_as_none(monkeypatch):

@@ -92,8 +92,12 @@ def compare(plain: dict[str, Outcome], enabled: dict[str, Outcome], subset: bool
         "regressions_functional": len(functional),
         "passed_plain_ran_functional": len(ran_functional),
         "regression_list": [
-            {"id": t, "status": enabled[t].status if t in enabled else "missing", "functional": t in functional,
-             "message": enabled[t].message if t in enabled else ""}
+            {
+                "id": t,
+                "status": enabled[t].status if t in enabled else "missing",
+                "functional": t in functional,
+                "message": enabled[t].message if t in enabled else "",
+            }
             for t in regressions
         ],
     }

@@ -74,13 +74,22 @@ def _check_roots(tensors) -> None:
             raise RuntimeError(f"element {i} of tensors does not require grad and does not have a grad_fn")
 
 
-def _global_fallback_reason(create_graph: bool) -> str | None:
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
+def _global_fallback_reason(create_graph: bool, grads=()) -> str | None:
     if create_graph:
         return "create_graph=True (double backward) needs eager autograd"
     if torch.is_anomaly_enabled():
         return "anomaly detection mode is enabled"
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return "saved-tensor hooks are active"
+    if torch._C._are_functorch_transforms_active():
+        # vmap / grad from torch.func wrap the tensors in batched levels that eager's engine
+        # understands; a graph task (how opaque nodes run) is refused inside vmap
+        return "a torch.func transform (vmap, grad, jvp) is active"
+    if any(_is_legacy_batched(g) for g in grads):  # gradcheck's batched-gradient check
+        return "the incoming gradients are batched by torch._vmap_internals.vmap"
     return distributed.global_fallback_reason()  # distributed: what rules out every multi-rank backward
 
 
@@ -104,7 +113,7 @@ def backward(
     grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
     if retain_graph is None:
         retain_graph = create_graph
-    reason = _global_fallback_reason(create_graph)
+    reason = _global_fallback_reason(create_graph, grads)
     if reason is None:
         _check_roots(tensors)
         for t in inputs:
@@ -149,7 +158,7 @@ def grad(
     for t in inputs_t:
         if not t.requires_grad:
             raise RuntimeError("One of the differentiated Tensors does not require grad")
-    reason = _global_fallback_reason(create_graph)
+    reason = _global_fallback_reason(create_graph, grads)
     if reason is None:
         _check_roots(outputs)
         try:
@@ -181,9 +190,7 @@ def enable(backend: str | None = None):
             grad_tensors = grad_variables
         roots = tensors if isinstance(tensors, (list, tuple)) else (tensors,)
         if has_torch_function(roots):  # as torch.autograd.backward: a subclass may take over
-            return handle_torch_function(
-                routed_backward, roots, tensors, grad_tensors, retain_graph, create_graph, inputs=inputs
-            )
+            return handle_torch_function(routed_backward, roots, tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
         return backward(tensors, grad_tensors, retain_graph, create_graph, inputs, backend=backend)
 
     def routed_grad(

@@ -249,9 +249,7 @@ def _opaque(b, w, i, grads, in_types, out_types, needs, none_ok):
         it = iter(wanted)
         python_positions = tuple(next(it, None) if e is not None else None for e in w.key[i][1])
     types = tuple(None if t is None or not needs[k] else (t.shape, t.dtype, t.device) for k, t in enumerate(out_types))
-    return b.emit(
-        "opaque", node_value, *args, present=present, out_types=types, python_positions=python_positions, none_ok=none_ok
-    )
+    return b.emit("opaque", node_value, *args, present=present, out_types=types, python_positions=python_positions, none_ok=none_ok)
 
 
 __all__ = ["CaptureError", "IRError", "Request", "lower"]

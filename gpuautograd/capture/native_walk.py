@@ -61,7 +61,14 @@ class NativeWalk:
 def walk(roots, inputs) -> tuple[NativeWalk | None, str | None]:
     """The native walk of `roots`' graph, or (None, why) when it can't read this graph; the
     Python walk then runs."""
-    nw = native.load().walk(list(roots), list(inputs))
+    try:
+        nw = native.load().walk(list(roots), list(inputs))
+    except RuntimeError as e:
+        # compiled_args refused a node: a saved value an earlier grad() freed (the Python walk
+        # raises only if that node runs), or a node it can't visit (CopySlices with a view_fn).
+        # The Python walk reads those graphs correctly.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return None, f"the native walker could not read this graph ({first[:120]})"
     if nw.unsupported:
         return None, nw.unsupported
     return NativeWalk(nw, roots, inputs), None

@@ -38,8 +38,18 @@ def _embedding_bag_backward(
     leaves offset2bag empty and this one rebuilds it from the offsets."""
     (per_sample_weights,) = _fill_absent(weights, present)
     return aten._embedding_bag_backward(
-        grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, False, per_sample_weights,
-        padding_idx
+        grad,
+        indices,
+        offsets,
+        offset2bag,
+        bag_size,
+        maximum_indices,
+        num_weights,
+        scale_grad_by_freq,
+        mode,
+        False,
+        per_sample_weights,
+        padding_idx,
     )
 
 
@@ -70,14 +80,55 @@ def _rnn_layer_infer(ts, attrs):
 
 @register_op("mkldnn_rnn_layer_backward", EXTERN, _rnn_layer_infer)
 def _mkldnn_rnn_layer_backward(
-    input, weight1, weight2, weight3, weight4, hx, cx, output, hy, cy, workspace, *grads, present, reverse, mode, hidden_size,
-    num_layers, has_biases, train, bidirectional, batch_sizes, batch_first
+    input,
+    weight1,
+    weight2,
+    weight3,
+    weight4,
+    hx,
+    cx,
+    output,
+    hy,
+    cy,
+    workspace,
+    *grads,
+    present,
+    reverse,
+    mode,
+    hidden_size,
+    num_layers,
+    has_biases,
+    train,
+    bidirectional,
+    batch_sizes,
+    batch_first,
 ):
     """`grads` holds the present ones of the gradients of (output, hy, cy). In bfloat16 the kernel
     returns float32 gradients; they are cast to their tensors' dtypes, as torch's engine does."""
     grad_output, grad_hy, grad_cy = _fill_absent(grads, present)
     outs = aten.mkldnn_rnn_layer_backward(
-        input, weight1, weight2, weight3, weight4, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy, reverse, mode, hidden_size,
-        num_layers, has_biases, train, bidirectional, list(batch_sizes), batch_first, workspace
+        input,
+        weight1,
+        weight2,
+        weight3,
+        weight4,
+        hx,
+        cx,
+        output,
+        hy,
+        cy,
+        grad_output,
+        grad_hy,
+        grad_cy,
+        reverse,
+        mode,
+        hidden_size,
+        num_layers,
+        has_biases,
+        train,
+        bidirectional,
+        list(batch_sizes),
+        batch_first,
+        workspace,
     )
     return tuple(g.to(t.dtype) for g, t in zip(outs, (input, weight1, weight2, weight3, weight4, hx, cx)))

@@ -156,6 +156,7 @@ def _polygamma(x, *, n):
     """The n-th derivative of digamma; `n` is a constant of the rule (digamma' = polygamma(1))."""
     return torch.polygamma(n, x)
 
+
 _BINARY = {
     "add": lambda a, b: a + b,
     "sub": lambda a, b: a - b,

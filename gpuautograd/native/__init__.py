@@ -20,17 +20,16 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 
 import torch
 
 from .. import flags
+from ..degrade import report
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "walker.cpp")
 BUILDING = "building gpuautograd's native walker, about a minute, once"
 LOST = (
-    "the hit path is slower (5-10 µs per autograd node) and hooks on C++ autograd nodes "
-    "(grad_fn.register_hook, register_prehook) go unseen"
+    "the hit path is slower (5-10 µs per autograd node) and hooks on C++ autograd nodes (grad_fn.register_hook, register_prehook) go unseen"
 )
 
 
@@ -131,7 +130,8 @@ def load():
         _state.reason = f"the native walker could not be built ({type(e).__name__}: {first})"
         if mode == "1":
             raise RuntimeError(f"GPUAUTOGRAD_NATIVE=1 but {_state.reason}") from e
-        warnings.warn(f"gpuautograd: {_state.reason}; the Python walk runs instead: {LOST}", RuntimeWarning, stacklevel=2)
+        # slower, not wrong: reported like every fallback (logged once; a warning only on request)
+        report(f"gpuautograd: {_state.reason}; the Python walk runs instead: {LOST}")
     return _state.module
 
 

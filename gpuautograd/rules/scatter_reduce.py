@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .registry import register
 from .views import norm_dim
 
@@ -57,9 +55,7 @@ def _prod(ix, b, g, x, src, result, include_self):
     zeros_at = ix.take(ix.add(b.full(x.shape, 0, x.dtype, x.device), b.cast(src_zero, x.dtype)))
     single_zero = b.logical_and(src_zero, b.eq(zeros_at, 1))
     without_zero = ix.reduce(x, b.where(single_zero, 1.0, src), "prod", include_self)
-    grad_src = b.where(
-        single_zero, ix.take(b.mul(g, without_zero)), b.div(ix.take(b.mul(g, result)), b.where(src_zero, 1.0, src))
-    )
+    grad_src = b.where(single_zero, ix.take(b.mul(g, without_zero)), b.div(ix.take(b.mul(g, result)), b.where(src_zero, 1.0, src)))
     return grad_self, grad_src
 
 

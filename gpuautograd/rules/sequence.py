@@ -7,8 +7,8 @@ gates and unsafe_chunk, whose rules live in their families (views.py has unsafe_
 
 from __future__ import annotations
 
-from ..ir.extern_ops import emit_optional
 from ..ir import extern_sequence_ops  # noqa: F401 - registers the extern ops used here
+from ..ir.extern_ops import emit_optional
 from .registry import register
 
 BAG_MODES = {0: "sum", 1: "mean", 2: "max"}

@@ -26,6 +26,7 @@ class Entry:
     opaque_nodes: list[int] = field(default_factory=list)  # released after the run
     functional_nodes: list[int] = field(default_factory=list)  # released before the run
     fallback_reason: str | None = None  # set when this graph must run eagerly
+    cpp_opaque: bool = False  # an opaque node is a C++ node (its graph task must be backward()-like)
     keepalive: Any = None  # what a native key refers to by address (the Python walk's key)
 
 

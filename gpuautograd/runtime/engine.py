@@ -155,8 +155,7 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
         # A C++ node computes only the outputs the running graph task needs, and a grad()-like task
         # (one with inputs) needs none of an opaque node's: then the task must be backward()-like.
         # (Only checkpoint's refusal of .grad() tells them apart, and only for C++ opaque nodes.)
-        cpp_opaque = any(w.classes[i].kind == CPP for i in entry.opaque_nodes)
-        return graph_task.call_in_graph_task(body, keep_graph=retain_graph, accumulate=accumulate or cpp_opaque)
+        return graph_task.call_in_graph_task(body, keep_graph=retain_graph, accumulate=accumulate or entry.cpp_opaque)
     return _execute(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
 
 
@@ -321,7 +320,8 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
     sinks = [(spec.kind, spec.index, spec.slot, own) for (_, spec), own in zip(program.outputs, owned)]
     opaque = sorted({spec.index for _, spec in program.inputs if spec.kind == "node"})
     functional = [i for i in program.executed if i not in set(opaque)]
-    return Entry(program, compiled, arg_plan, sinks, opaque, functional)
+    cpp_opaque = any(w.classes[i].kind == CPP for i in opaque)
+    return Entry(program, compiled, arg_plan, sinks, opaque, functional, cpp_opaque=cpp_opaque)
 
 
 def owned_outputs(program: Program) -> list[bool]:

@@ -23,8 +23,8 @@ from tests.helpers import DTYPES, Case, assert_close, check_grads, graph_node_na
 from tests.helpers import same_grads_as_torch as helpers_same_grads_as_torch
 from tests.unit import (
     test_rules_activations,
-    test_rules_decompositions,
     test_rules_coverage,
+    test_rules_decompositions,
     test_rules_indexing,
     test_rules_losses,
     test_rules_math,

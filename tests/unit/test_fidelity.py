@@ -362,3 +362,33 @@ def test_nested_leaf_keeps_eagers_inplace_error():
         run()
     with gpuautograd.enable(), pytest.raises(RuntimeError, match="modified by an inplace operation"):
         run()
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+def test_backward_inside_vmap_runs_eagerly_and_matches():
+    """gradcheck's batched-gradient check calls autograd.grad inside torch.vmap; a backward with an
+    opaque node would run in a graph task, which vmap refuses: inside a transform it runs eagerly."""
+
+    def run():
+        x = torch.randn(6, dtype=torch.double, requires_grad=True)
+        out = _Square.apply(x).exp()
+        vjp = lambda v: torch.autograd.grad(out, x, v, retain_graph=True)[0]  # noqa: E731
+        return [torch.func.vmap(vjp)(torch.eye(6, dtype=torch.double))]
+
+    for a, e in zip(*both(run)):
+        torch.testing.assert_close(a, e)
+    x = torch.randn(10, dtype=torch.double, requires_grad=True)
+    with gpuautograd.enable():  # its batched check runs the legacy vmap (batched grads, no transform)
+        assert torch.autograd.gradgradcheck(lambda a: a.select(0, 1).sum(), [x], check_batched_grad=True)
+        assert torch.autograd.gradcheck(lambda a: _Square.apply(a).sum(), [x], check_batched_grad=True)

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import DTYPES, Case, fixed, idx, leaf, make, params, rand, run_case
+from tests.helpers import Case, fixed, idx, leaf, make, params, rand, run_case
 from tests.unit.test_rules_math import with_zeros
 from tests.unit.test_rules_pointwise import integers, positive
 
@@ -217,8 +217,10 @@ BAG_OFFSETS = idx(0, 3, 3, 8)  # the second bag is empty
 
 
 def _bag(mode, **kwargs):
-    return lambda w, *rest: F.embedding_bag(BAG_INDICES, w, BAG_OFFSETS, mode=mode, **kwargs) if not rest else F.embedding_bag(
-        BAG_INDICES, w, BAG_OFFSETS, mode=mode, per_sample_weights=rest[0], **kwargs
+    return lambda w, *rest: (
+        F.embedding_bag(BAG_INDICES, w, BAG_OFFSETS, mode=mode, **kwargs)
+        if not rest
+        else F.embedding_bag(BAG_INDICES, w, BAG_OFFSETS, mode=mode, per_sample_weights=rest[0], **kwargs)
     )
 
 
@@ -314,7 +316,9 @@ RECURRENT = [
         _recurrent(nn.LSTM, num_layers=2, bidirectional=True),
         (torch.float32,),
     ),
-    Case("lstm_batch_first_onednn", "MkldnnRnnLayerBackward0", _run, _recurrent(nn.LSTM, batch_first=True), (torch.float32, torch.bfloat16)),
+    Case(
+        "lstm_batch_first_onednn", "MkldnnRnnLayerBackward0", _run, _recurrent(nn.LSTM, batch_first=True), (torch.float32, torch.bfloat16)
+    ),
     Case("rnn_tanh", "TanhBackward0", _run, _recurrent(nn.RNN, num_layers=2), NO_HALF),
     Case("rnn_relu_cell", "ReluBackward0", _run, _recurrent(nn.RNNCell, nonlinearity="relu"), NO_HALF),
     Case("unsafe_chunk", "UnsafeSplitBackward0", lambda x: x.unsafe_chunk(3, 1)[1] * 2, make(leaf(5, 9, nc=True))),

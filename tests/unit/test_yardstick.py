@@ -10,7 +10,7 @@ sys.path.insert(0, str(ROOT / "ci"))
 
 import yardstick  # noqa: E402
 
-STAND_IN = '''
+STAND_IN = """
 import unittest
 import torch
 from autograd.test_complex import TestAutogradComplex  # noqa: F401  (dropped by the runner)
@@ -35,7 +35,7 @@ class TestStandIn(unittest.TestCase):
     @unittest.skip("not here")
     def test_skipped(self):
         pass
-'''
+"""
 
 
 def test_runner_reports_regressions_and_functional_runs(tmp_path, capsys):

@@ -88,7 +88,7 @@ def _global_fallback_reason(create_graph: bool, grads=()) -> str | None:
         # vmap / grad from torch.func wrap the tensors in batched levels that eager's engine
         # understands; a graph task (how opaque nodes run) is refused inside vmap
         return "a torch.func transform (vmap, grad, jvp) is active"
-    if any(_is_legacy_batched(g) for g in grads):  # gradcheck's batched-gradient check
+    if any(g is not None and _is_legacy_batched(g) for g in grads):  # gradcheck's batched-gradient check
         return "the incoming gradients are batched by torch._vmap_internals.vmap"
     return distributed.global_fallback_reason()  # distributed: what rules out every multi-rank backward
 

@@ -86,6 +86,16 @@ def _adaptive_avg_pool2d_backward(grad, input):
     return aten._adaptive_avg_pool2d_backward(grad, input)
 
 
+@register_op("im2col", EXTERN)
+def _im2col(x, *, kernel_size, dilation, padding, stride):
+    return aten.im2col(x, kernel_size, dilation, padding, stride)
+
+
+@register_op("col2im", EXTERN)
+def _col2im(x, *, output_size, kernel_size, dilation, padding, stride):
+    return aten.col2im(x, output_size, kernel_size, dilation, padding, stride)
+
+
 @register_op("embedding_backward", EXTERN)
 def _embedding_backward(grad, indices, *, num_weights, padding_idx, scale_grad_by_freq):
     return aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)

@@ -205,6 +205,10 @@ POOL_CASES = {
     "adaptive_avg2d": ("AdaptiveAvgPool2DBackward0", (2, 3, 9, 11), lambda x: F.adaptive_avg_pool2d(x, (4, 5))),
     "adaptive_avg2d_unbatched": ("AdaptiveAvgPool2DBackward0", (3, 9, 11), lambda x: F.adaptive_avg_pool2d(x, 3)),
     "adaptive_avg1d": ("AdaptiveAvgPool2DBackward0", (2, 3, 13), lambda x: F.adaptive_avg_pool1d(x, 5)),
+    "unfold": ("Im2ColBackward0", (2, 3, 7, 9), lambda x: F.unfold(x, (2, 3), dilation=(1, 2), padding=1, stride=(2, 1))),
+    "unfold_unbatched": ("Im2ColBackward0", (3, 6, 5), lambda x: F.unfold(x, 2)),
+    # fold's input is (N, C * kh * kw, L): 3 channels of 2x3 windows over a 7x9 image, padding 1, stride (2, 1)
+    "fold": ("Col2ImBackward0", (2, 18, 36), lambda x: F.fold(x, (7, 9), (2, 3), padding=1, stride=(2, 1))),
 }
 
 

@@ -339,8 +339,12 @@ def masked_select_backward(b, node, grads):
     grad = grads[0]
     mask = node.saved("mask")
     shape = broadcast_shapes(node.saved("self").shape, mask.shape)
-    # x[mask] = v puts v's elements at the true positions in row-major order, as masked_scatter does
-    return [b.index_put(_zeros(b, shape, grad), [b.expand(mask, shape)], grad, accumulate=False)]
+    # x[mask] = v puts v's elements at the true positions in row-major order, as masked_scatter does;
+    # a 0-dim result goes through one element (a boolean index needs a dimension to index)
+    work = shape or (1,)
+    full = b.reshape(b.expand(mask, shape), work) if not shape else b.expand(mask, shape)
+    out = b.index_put(_zeros(b, work, grad), [full], grad, accumulate=False)
+    return [b.reshape(out, shape) if not shape else out]
 
 
 @register("MaskedScatterBackward0")

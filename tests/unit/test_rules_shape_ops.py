@@ -143,6 +143,8 @@ CASES = [
     Case("masked_select", "MaskedSelectBackward0", lambda x: x.masked_select(M7), one(7, 13, nc=True)),
     Case("masked_select_bcast_mask", "MaskedSelectBackward0", lambda x: x.masked_select(M_ROW), one(7, 13)),
     Case("masked_select_bcast_self", "MaskedSelectBackward0", lambda x: x.masked_select(M7), one(13)),
+    Case("masked_select_0d_true", "MaskedSelectBackward0", lambda x: x.masked_select(torch.tensor(True)), one()),
+    Case("masked_select_0d_false", "MaskedSelectBackward0", lambda x: x.masked_select(torch.tensor(False)), one()),
     Case("masked_scatter", "MaskedScatterBackward0", lambda x, s: x.masked_scatter(M7, s), make(leaf(7, 13), leaf(masked_count(M7) + 5))),
     Case(
         "masked_scatter_2d_src", "MaskedScatterBackward0", lambda x, s: x.masked_scatter(M_ROW, s), make(leaf(7, 13, nc=True), leaf(9, 13))

@@ -53,6 +53,8 @@ def zoo():
     yield "shape", F.pad(x[None], (2, 1), mode="reflect").tril(1).sum() + F.interpolate(x[None, None], scale_factor=2).sum()
     yield "scans", x.cumsum(1).cosh().sum() + (x.sigmoid() - 0.5).erfinv().sum() + x.prod(1).sum()
     yield "group_norm", F.group_norm(_leaf(2, 6, 5), 3, _leaf(6), _leaf(6)).pow(2).sum()
+    cols = F.unfold(_leaf(1, 2, 5, 6), (2, 3), padding=1, stride=(2, 1))
+    yield "im2col", F.fold(cols.exp(), (5, 6), (2, 3), padding=1, stride=(2, 1)).pow(2).sum()
     yield "mse", F.mse_loss(x, y) + F.mse_loss(x.exp(), y.detach(), reduction="sum") + F.threshold(x, 0.1, 2.0).sum()
     a, tri = _leaf(4, 4), torch.randn(3, 4, 4, dtype=torch.float64).tril().add(4 * torch.eye(4, dtype=torch.float64)).requires_grad_()
     solves = torch.linalg.det(a + 4 * torch.eye(4, dtype=torch.float64)) + torch.linalg.solve_triangular(tri, y[:4, :3], upper=False).sum()

@@ -107,8 +107,9 @@ def main(argv=None) -> int:
 
     # 5. What the time figure means.
     if device.type == "cpu" and (args.backend or "auto") in ("auto", "reference"):
+        walker = "C++" if gpuautograd.stats()["walker"] == "native" else "Python"
         print(
-            f"what this means: on the CPU gpuautograd runs its reference executor (a Python walk of the graph, then one\n"
+            f"what this means: on the CPU gpuautograd runs its reference executor (a {walker} walk of the graph, then one\n"
             f"  aten kernel per IR op); {eager / ours:.2f}x is that fallback's speed, not the GPU path's. On a GPU the same\n"
             f"  backward is {kernels} generated kernels plus library calls ({fused.launches} launches), replayed as a CUDA graph:\n"
             f"  not measured here."

@@ -31,6 +31,12 @@ def report(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
 
+def describe_error(e: BaseException) -> str:
+    """An exception in one line, for a report's reason: its type and the first line of its message."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def user_stacklevel() -> int:
     """The stacklevel, for a warnings.warn in our caller, that points at the first frame outside
     gpuautograd."""
@@ -40,4 +46,4 @@ def user_stacklevel() -> int:
     return level
 
 
-__all__ = ["report", "LOG", "user_stacklevel"]
+__all__ = ["report", "LOG", "describe_error", "user_stacklevel"]

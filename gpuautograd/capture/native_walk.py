@@ -9,6 +9,7 @@ same SavedVariable (`saved_permutation`) and the plan reads its arguments throug
 from __future__ import annotations
 
 from .. import native
+from ..degrade import describe_error
 from . import hooks
 from .walk import CPP, Walk
 
@@ -67,8 +68,7 @@ def walk(roots, inputs) -> tuple[NativeWalk | None, str | None]:
         # compiled_args refused a node: a saved value an earlier grad() freed (the Python walk
         # raises only if that node runs), or a node it can't visit (CopySlices with a view_fn).
         # The Python walk reads those graphs correctly.
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return None, f"the native walker could not read this graph ({first[:120]})"
+        return None, f"the native walker could not read this graph ({describe_error(e)[:120]})"
     if nw.unsupported:
         return None, nw.unsupported
     return NativeWalk(nw, roots, inputs), None

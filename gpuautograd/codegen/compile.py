@@ -15,7 +15,7 @@ import os
 import torch
 
 from .. import flags
-from ..degrade import report
+from ..degrade import describe_error, report
 from ..runtime import stats as stats_module
 from .kernel import KernelSource
 
@@ -94,12 +94,6 @@ def launchable(ks: KernelSource, interpret: bool):
 
     dump_kernel(ks)
     return wrap(python_function(ks), interpret)
-
-
-def describe_error(e: BaseException) -> str:
-    """An exception in one line: its type and the first line of its message."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 class Launcher:

@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 from .. import flags
-from ..degrade import report
+from ..degrade import describe_error, report
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "walker.cpp")
 BUILDING = "building gpuautograd's native walker, about a minute, once"
@@ -126,8 +126,7 @@ def load():
     try:
         _state.module = _compile_or_load()
     except Exception as e:  # a missing compiler, ninja or header, or a compile error on this torch
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        _state.reason = f"the native walker could not be built ({type(e).__name__}: {first})"
+        _state.reason = f"the native walker could not be built ({describe_error(e)})"
         if mode == "1":
             raise RuntimeError(f"GPUAUTOGRAD_NATIVE=1 but {_state.reason}") from e
         # slower, not wrong: reported like every fallback (logged once; a warning only on request)

@@ -22,8 +22,7 @@ import threading
 import torch
 
 from .. import flags
-from ..codegen.compile import describe_error
-from ..degrade import report
+from ..degrade import describe_error, report
 from ..fusion.heuristics import POINTER_ALIGNMENT
 from ..fusion.partition import FusionPlan
 from ..ir.program import Value

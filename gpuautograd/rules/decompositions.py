@@ -139,23 +139,21 @@ def _cholesky_grad(b, gL, L, upper: bool):
     return solve_triangular(b, L, gA, upper=False, left=False)
 
 
-@register("LinalgCholeskyExBackward0")
-def linalg_cholesky_ex_backward(b, node, grads):
-    # self: cholesky_backward(grad, upper, L)
-    grad = grads[0]
-    if grad is None:
-        return [None]
-    L = node.saved("L")
-    require_real(node, L, grad)
-    return [_cholesky_grad(b, grad, L, node.saved("upper"))]
+def _cholesky_rule(factor: str):
+    """The rule of a Cholesky node that saved its factor under the name `factor`."""
+
+    def rule(b, node, grads):
+        grad = grads[0]
+        if grad is None:
+            return [None]
+        L = node.saved(factor)
+        require_real(node, L, grad)
+        return [_cholesky_grad(b, grad, L, node.saved("upper"))]
+
+    return rule
 
 
-@register("CholeskyBackward0")
-def cholesky_backward(b, node, grads):
-    # self: cholesky_backward(grad, upper, result)
-    grad = grads[0]
-    if grad is None:
-        return [None]
-    L = node.saved("result")
-    require_real(node, L, grad)
-    return [_cholesky_grad(b, grad, L, node.saved("upper"))]
+# self: cholesky_backward(grad, upper, L)
+register("LinalgCholeskyExBackward0")(_cholesky_rule("L"))
+# self: cholesky_backward(grad, upper, result)
+register("CholeskyBackward0")(_cholesky_rule("result"))

@@ -6,17 +6,24 @@
 // values are read with Node::compiled_args, the visitor compiled autograd uses: it reaches every
 // generated node's saved fields without Python and without running anything.
 //
-// Decisions stay in Python; this file only reads the graph.
+// Decisions stay in Python; this file reads the graph, and delivers leaf gradients the way
+// eager's AccumulateGrad does (LeafDelivery), since only C++ can see whether a gradient is
+// referenced elsewhere (torch's use_count rule for stealing it as .grad).
 
 #include <torch/extension.h>
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/utils/grad_layout_contract.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
+
+#include <ATen/ops/_foreach_add.h>
 
 #include <optional>
 #include <string>
@@ -78,6 +85,82 @@ std::optional<std::string> layout_problem(const at::Tensor& t, const std::string
   }
   return std::nullopt;
 }
+
+// The leaf sinks of one captured program: output k of the program goes to the AccumulateGrad
+// node `node[k]` of the walk. `copy[k]` marks an output that may share storage with something
+// else the program returned or read (a view of an input): never stolen, whatever its use_count.
+class LeafDelivery {
+ public:
+  LeafDelivery(std::vector<int64_t> output, std::vector<int64_t> node, std::vector<bool> copy)
+      : output_(std::move(output)), node_(std::move(node)), copy_(std::move(copy)) {
+    TORCH_CHECK(output_.size() == node_.size() && node_.size() == copy_.size(), "LeafDelivery: lengths differ");
+  }
+
+  // Leaves that have a dense .grad add in place (AccumulateGrad's `grad += new`), all in one
+  // _foreach_add_; every other leaf runs AccumulateGrad::apply itself, so stealing, the layout
+  // contract, sparse gradients and frozen leaves follow eager exactly. `outs` loses the entries
+  // it delivers: a gradient nothing else holds then has use_count 1 and becomes .grad uncopied.
+  template <typename NodeAt>
+  void run(py::list outs, const NodeAt& node_at) const {
+    at::NoGradGuard no_grad;  // eager's backward runs with grad mode = create_graph (False here)
+    std::vector<at::Tensor> existing, incoming;
+    for (size_t k = 0; k < output_.size(); ++k) {
+      PyObject* item = PyList_GET_ITEM(outs.ptr(), output_[k]);
+      if (item == Py_None) {
+        continue;
+      }
+      at::Tensor grad = THPVariable_Unpack(item);
+      Py_INCREF(Py_None);
+      PyList_SetItem(outs.ptr(), output_[k], Py_None);  // drops the list's reference
+      auto* acc = node_at(node_[k]);
+      const at::Tensor& variable = acc->variable;
+      if (!variable.requires_grad()) {
+        continue;  // frozen after the forward: AccumulateGrad skips it too
+      }
+      const at::Tensor& current = variable.grad();
+      if (current.defined() && current.layout() == at::kStrided && grad.layout() == at::kStrided && !current.is_nested()) {
+        existing.push_back(current);
+        incoming.push_back(std::move(grad));
+        continue;
+      }
+      if (!current.defined() && !copy_[k] && stealable(grad, variable)) {
+        // AccumulateGrad's Case 1.1 (stealing a dense gradient), minus the detach: the program ran
+        // without grad mode, so the gradient has no history to cut.
+        variable.mutable_grad() = std::move(grad);
+        continue;
+      }
+      at::Tensor hold = copy_[k] ? grad : at::Tensor();  // a second reference forbids stealing
+      torch::autograd::variable_list in;
+      in.reserve(1);
+      in.push_back(std::move(grad));
+      acc->apply(std::move(in));
+    }
+    if (!existing.empty()) {
+      at::_foreach_add_(existing, incoming);
+    }
+  }
+
+  size_t size() const { return output_.size(); }
+
+ private:
+  // The conditions under which eager's AccumulateGrad makes a fresh dense gradient the .grad as is.
+  static bool stealable(const at::Tensor& grad, const at::Tensor& variable) {
+    return !variable.grad_fn() && grad.layout() == at::kStrided && !grad.is_nested() && !grad.is_mkldnn() && !grad.requires_grad() &&
+        !variable.is_sparse_csr() && grad.use_count() == 1 && !at::caching::is_cached_tensor(grad) &&
+        (!c10::AutogradState::get_tls_state().get_grad_layout_enforcement_enabled() ||
+         torch::autograd::utils::obeys_layout_contract(grad, variable));
+  }
+
+  std::vector<int64_t> output_, node_;
+  std::vector<bool> copy_;
+};
+
+AccumulateGrad* as_accumulate_grad(Node* node, int64_t i) {
+  auto* acc = dynamic_cast<AccumulateGrad*>(node);
+  TORCH_CHECK(acc, "node ", i, " (", node ? node->name() : std::string("null"), ") is not an AccumulateGrad node");
+  return acc;
+}
+
 
 class NativeWalk {
  public:
@@ -143,6 +226,10 @@ class NativeWalk {
     auto* acc = dynamic_cast<AccumulateGrad*>(nodes_.at(i).get());
     TORCH_CHECK(acc, "node ", i, " (", nodes_.at(i)->name(), ") is not an AccumulateGrad node");
     return acc->variable;
+  }
+
+  void deliver(const LeafDelivery& plan, py::list outs) const {
+    plan.run(outs, [&](int64_t i) { return as_accumulate_grad(nodes_.at(i).get(), i); });
   }
 
   // What eager's backward does after running a node without retain_graph.
@@ -358,6 +445,15 @@ class NativeWalk {
   std::optional<std::string> fallback_;  // this backward must run eagerly
 };
 
+// The Python walk's nodes are Python objects: a C++ node's object holds the node.
+void deliver_to_python_nodes(const LeafDelivery& plan, py::list outs, py::list nodes) {
+  plan.run(outs, [&](int64_t i) {
+    PyObject* obj = PyList_GET_ITEM(nodes.ptr(), i);
+    TORCH_CHECK(torch::autograd::THPCppFunction_Check(obj), "node ", i, " of the walk is not a C++ autograd node");
+    return as_accumulate_grad(reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata.get(), i);
+  });
+}
+
 std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs) {
   auto w = std::make_unique<NativeWalk>();
   w->run(roots, inputs);
@@ -379,6 +475,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("node", &NativeWalk::node)
       .def("leaf_variable", &NativeWalk::leaf_variable)
       .def("saved_index", &NativeWalk::saved_index)
-      .def("release", &NativeWalk::release);
+      .def("release", &NativeWalk::release)
+      .def("deliver", &NativeWalk::deliver, "Hand the program's leaf gradients in `outs` to their AccumulateGrad nodes.");
+  py::class_<LeafDelivery>(m, "LeafDelivery")
+      .def(py::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<bool>>())
+      .def("__len__", &LeafDelivery::size);
+  m.def("deliver", &deliver_to_python_nodes, "LeafDelivery for the Python walk's node list.");
   m.def("walk", &walk, "Walk the graph behind `roots`; `inputs` are autograd.grad's inputs (may be empty).");
 }

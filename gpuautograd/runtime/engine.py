@@ -13,7 +13,7 @@ import importlib
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .. import distributed, flags
+from .. import distributed, flags, native
 from ..capture import hooks, native_walk
 from ..capture.lower import Request, lower
 from ..capture.native_walk import NATIVE, PYTHON
@@ -170,10 +170,21 @@ def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: boo
         # The program now owns what it reads; a functional node never looks at its saved tensors again.
         _release(w, entry.functional_nodes)
     with torch.no_grad():  # eager runs backward with grad mode = create_graph, which is False here
-        outs = entry.compiled(args)
+        outs = list(entry.compiled(args))  # the list holds the only references to the results
     if not retain_graph and entry.opaque_nodes:
         _release(w, entry.opaque_nodes)
+    return _deliver(w, entry, outs, inputs, accumulate, input_edges)
 
+
+def _deliver(w, entry: Entry, outs: list, inputs, accumulate: bool, input_edges):
+    """Hand the program's results to their sinks: leaves' .grad, retained grads, grad()'s results."""
+    if entry.leaf_delivery is not None:  # AccumulateGrad's own code, in C++ (the native extension)
+        if isinstance(w, native_walk.NativeWalk):
+            w.native.deliver(entry.leaf_delivery, outs)
+        elif (ext := native.load()) is not None:
+            ext.deliver(entry.leaf_delivery, outs, w.nodes)
+        if not entry.other_sinks and not any(t is not None for t in outs):
+            return None  # (a leaf left in `outs`: the extension was turned off since the capture)
     retained = {(j, nr): t for j, nr, t in w.retained}
     if accumulate:
         for edge, t in zip(input_edges, inputs or ()):
@@ -181,6 +192,7 @@ def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: boo
                 retained[edge] = t
     results = []
     adds = AddInPlace()
+    nodes = w.nodes
     with torch.no_grad():
         for g, (kind, i, slot, owned) in zip(outs, entry.sinks):
             if kind == "input":
@@ -316,18 +328,36 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
             compiled = compile_fused(program, strides, interpret=backend in INTERPRETED)
     else:
         compiled = compile_reference(program)
-    owned = owned_outputs(program)
+    owned, opaque_results = owned_outputs(program)
     sinks = [(spec.kind, spec.index, spec.slot, own) for (_, spec), own in zip(program.outputs, owned)]
     opaque = sorted({spec.index for _, spec in program.inputs if spec.kind == "node"})
     functional = [i for i in program.executed if i not in set(opaque)]
     cpp_opaque = any(w.classes[i].kind == CPP for i in opaque)
-    return Entry(program, compiled, arg_plan, sinks, opaque, functional, cpp_opaque=cpp_opaque)
+    entry = Entry(program, compiled, arg_plan, sinks, opaque, functional, cpp_opaque=cpp_opaque)
+    _plan_leaf_delivery(entry, opaque_results)
+    return entry
 
 
-def owned_outputs(program: Program) -> list[bool]:
+def _plan_leaf_delivery(entry: Entry, opaque_results: list[bool]) -> None:
+    """With the native extension, leaves' gradients go through AccumulateGrad's own C++ code.
+    Stealing then follows eager's use_count rule; the program's analysis only forbids it where a
+    result may share storage with another (a view of an input). A custom backward's direct result
+    is left to the use_count rule, as eager leaves it; the Python delivery must copy those."""
+    ext = native.load()
+    if ext is None:
+        return
+    leaves = [(k, i, not (own or opq)) for k, ((kind, i, _, own), opq) in enumerate(zip(entry.sinks, opaque_results)) if kind == "leaf"]
+    entry.leaf_delivery = ext.LeafDelivery([k for k, _, _ in leaves], [i for _, i, _ in leaves], [c for _, _, c in leaves])
+    entry.other_sinks = len(leaves) != len(entry.sinks)
+
+
+def owned_outputs(program: Program) -> tuple[list[bool], list[bool]]:
     """For each output: may it become a leaf's .grad without a copy? Only a fresh result of the
-    program that no other output shares and that aliases no input (torch's use_count check)."""
+    program that no other output shares and that aliases no input (torch's use_count check).
+    Second list: the output is an opaque node's result itself, which only a use_count check (in
+    C++) can judge: a custom backward may return its input, or a tensor it keeps."""
     root: dict[int, int | None] = {}  # value -> the value whose storage it may alias (None: an input)
+    opaque_results: set[int] = set()
     for v, _ in program.inputs:
         root[id(v)] = None
     for instr in program.instrs:
@@ -337,6 +367,7 @@ def owned_outputs(program: Program) -> list[bool]:
                 continue
             if opdef.kind == "opaque":
                 root[id(o)] = None  # a custom backward may return its input
+                opaque_results.add(id(o))
             elif opdef.view and isinstance(instr.inputs[0], Value):
                 root[id(o)] = root.get(id(instr.inputs[0]))
             else:
@@ -345,7 +376,8 @@ def owned_outputs(program: Program) -> list[bool]:
     counts: dict = {}
     for r in roots:
         counts[r] = counts.get(r, 0) + 1
-    return [r is not None and counts[r] == 1 for r in roots]
+    owned = [r is not None and counts[r] == 1 for r in roots]
+    return owned, [v is not None and id(v) in opaque_results for v, _ in program.outputs]
 
 
 def warn_fallback(reason: str) -> None:

@@ -25,6 +25,8 @@
 
 #include <ATen/ops/_foreach_add.h>
 
+#include <algorithm>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -45,23 +47,33 @@ enum Tag : uint8_t {
 
 class KeyWriter {
  public:
-  KeyWriter() { bytes_.reserve(16384); }
+  KeyWriter() { bytes_.resize(16384); }
   template <typename T>
   void put(const T& value) {
-    bytes_.append(reinterpret_cast<const char*>(&value), sizeof(T));
+    append(&value, sizeof(T));
   }
   void put_ints(c10::IntArrayRef values) {
     put<uint32_t>(values.size());
-    bytes_.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(int64_t));
+    append(values.data(), values.size() * sizeof(int64_t));
   }
   void put_raw(const uint8_t* data, size_t size) {
     put<uint32_t>(size);
-    bytes_.append(reinterpret_cast<const char*>(data), size);
+    append(data, size);
   }
-  const std::string& bytes() const { return bytes_; }
+  py::bytes bytes() const { return py::bytes(bytes_.data(), size_); }
 
  private:
-  std::string bytes_;
+  // Inline, unlike std::string::append: the walk writes a few hundred small fields per node.
+  void append(const void* data, size_t n) {
+    if (size_ + n > bytes_.size()) {
+      bytes_.resize(std::max(bytes_.size() * 2, size_ + n));
+    }
+    std::memcpy(bytes_.data() + size_, data, n);
+    size_ += n;
+  }
+
+  std::vector<char> bytes_;
+  size_t size_ = 0;
 };
 
 // What the Python walk keys a tensor by: shape, strides, dtype, device.
@@ -85,6 +97,108 @@ std::optional<std::string> layout_problem(const at::Tensor& t, const std::string
   }
   return std::nullopt;
 }
+
+// One upload group of a bound plan's pointer table (runtime/replay.py): slot lo + k holds the
+// address of the call's tensor `names[k]` plus the view's byte offset `deltas[k]`. The addresses
+// must keep the promises the captured kernels were built on: 16-byte alignment where a kernel
+// vectorizes, and the same address where a library call reads a parameter in place.
+class TableGroup {
+ public:
+  TableGroup(std::vector<py::object> names, std::vector<int64_t> deltas, std::vector<bool> values, std::vector<int64_t> aligned,
+             std::vector<int64_t> pinned_slots, std::vector<int64_t> pinned_addresses, int64_t alignment)
+      : names_(std::move(names)), deltas_(std::move(deltas)), values_(std::move(values)), aligned_(std::move(aligned)),
+        pinned_slots_(std::move(pinned_slots)), pinned_addresses_(std::move(pinned_addresses)), alignment_(alignment) {
+    TORCH_CHECK(names_.size() == deltas_.size() && names_.size() == values_.size() && pinned_slots_.size() == pinned_addresses_.size(),
+                "TableGroup: lengths differ");
+  }
+
+  // Writes the group's slots into `table` (a host int64 tensor); false, with nothing written, when
+  // a promise is broken: the caller then finds and names what moved.
+  bool fill(at::Tensor& table, int64_t lo, py::dict call) const {
+    TORCH_CHECK(table.scalar_type() == at::kLong && table.is_cpu() && lo + static_cast<int64_t>(names_.size()) <= table.numel(),
+                "TableGroup.fill: the table is not a host int64 tensor with room for the group");
+    scratch_.resize(names_.size());
+    for (size_t k = 0; k < names_.size(); ++k) {
+      PyObject* t = PyDict_GetItemWithError(call.ptr(), names_[k].ptr());
+      if (t == nullptr) {
+        if (PyErr_Occurred()) {
+          throw py::error_already_set();
+        }
+        throw py::key_error(py::str(names_[k]));
+      }
+      const at::Tensor& tensor = THPVariable_Unpack(t);
+      if (!values_[k]) {
+        scratch_[k] = reinterpret_cast<int64_t>(tensor.data_ptr()) + deltas_[k];
+      } else if (!value_bits(tensor, scratch_[k])) {
+        return false;
+      }
+    }
+    for (auto k : aligned_) {
+      if (scratch_[k] % alignment_ != 0) {
+        return false;
+      }
+    }
+    for (size_t j = 0; j < pinned_slots_.size(); ++j) {
+      if (scratch_[pinned_slots_[j]] != pinned_addresses_[j]) {
+        return false;
+      }
+    }
+    std::memcpy(table.data_ptr<int64_t>() + lo, scratch_.data(), scratch_.size() * sizeof(int64_t));
+    return true;
+  }
+
+ private:
+  // A slot that holds a 0-dim host tensor's value: its bytes as the integer of its width (signed,
+  // except one byte), as replay.value_bits writes them. False for a tensor not on the host.
+  static bool value_bits(const at::Tensor& t, int64_t& out) {
+    if (!t.is_cpu() || t.dim() != 0) {
+      return false;
+    }
+    const void* p = t.const_data_ptr();
+    switch (t.element_size()) {
+      case 8: out = *static_cast<const int64_t*>(p); return true;
+      case 4: out = *static_cast<const int32_t*>(p); return true;
+      case 2: out = *static_cast<const int16_t*>(p); return true;
+      case 1: out = *static_cast<const uint8_t*>(p); return true;
+      default: return false;
+    }
+  }
+
+  std::vector<py::object> names_;
+  std::vector<int64_t> deltas_;
+  std::vector<bool> values_;
+  std::vector<int64_t> aligned_, pinned_slots_, pinned_addresses_;
+  int64_t alignment_;
+  mutable std::vector<int64_t> scratch_;  // calls of one plan take turns (its lock)
+};
+
+// The fresh output buffers of one bound-plan call (runtime/replay.py): allocated and put into the
+// call's dict by name, without a Python call of torch.empty per buffer.
+class FreshBuffers {
+ public:
+  FreshBuffers(std::vector<py::object> names, std::vector<std::vector<int64_t>> shapes, std::vector<at::ScalarType> dtypes, at::Device device)
+      : names_(std::move(names)), shapes_(std::move(shapes)), dtypes_(std::move(dtypes)), device_(device) {
+    TORCH_CHECK(names_.size() == shapes_.size() && shapes_.size() == dtypes_.size(), "FreshBuffers: lengths differ");
+  }
+
+  void allocate(py::dict call) const {
+    for (size_t k = 0; k < names_.size(); ++k) {
+      at::Tensor t = at::empty(shapes_[k], at::TensorOptions().dtype(dtypes_[k]).device(device_));
+      PyObject* obj = THPVariable_Wrap(std::move(t));
+      if (obj == nullptr || PyDict_SetItem(call.ptr(), names_[k].ptr(), obj) != 0) {
+        Py_XDECREF(obj);
+        throw py::error_already_set();
+      }
+      Py_DECREF(obj);
+    }
+  }
+
+ private:
+  std::vector<py::object> names_;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<at::ScalarType> dtypes_;
+  at::Device device_;
+};
 
 // The leaf sinks of one captured program: output k of the program goes to the AccumulateGrad
 // node `node[k]` of the walk. `copy[k]` marks an output that may share storage with something
@@ -164,7 +278,10 @@ AccumulateGrad* as_accumulate_grad(Node* node, int64_t i) {
 
 class NativeWalk {
  public:
-  NativeWalk() : compiler_(ca::SizeInput::STATIC) {}
+  NativeWalk() : compiler_(ca::SizeInput::STATIC) {
+    nodes_.reserve(256);
+    index_.reserve(256);
+  }
 
   void run(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs) {
     std::vector<std::pair<int64_t, uint32_t>> root_edges;
@@ -239,7 +356,7 @@ class NativeWalk {
     }
   }
 
-  py::bytes key() const { return py::bytes(key_.bytes()); }
+  py::bytes key() const { return key_.bytes(); }
   // The saved tensors, handed over: afterwards the caller's list holds the only references this
   // walk had, so releasing them frees memory as eager's backward does.
   std::vector<at::Tensor> take_saved() { return std::exchange(compiler_.tensor_args.inputs, {}); }
@@ -480,6 +597,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LeafDelivery>(m, "LeafDelivery")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<bool>>())
       .def("__len__", &LeafDelivery::size);
+  py::class_<TableGroup>(m, "TableGroup")
+      .def(py::init<std::vector<py::object>, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<int64_t>, int64_t>())
+      .def("fill", &TableGroup::fill, "Write this call's addresses into the table; False when one broke a promise.");
+  py::class_<FreshBuffers>(m, "FreshBuffers")
+      .def(py::init<std::vector<py::object>, std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device>())
+      .def("allocate", &FreshBuffers::allocate, "Put a new empty tensor into the call's dict for every fresh output.");
   m.def("deliver", &deliver_to_python_nodes, "LeafDelivery for the Python walk's node list.");
   m.def("walk", &walk, "Walk the graph behind `roots`; `inputs` are autograd.grad's inputs (may be empty).");
 }

@@ -44,7 +44,12 @@ class Fallback(Exception):
 
 def _backend(backend: str | None, device: torch.device) -> str:
     """Resolve "auto" for the device, and refuse a backend that can't run there."""
-    backend = backend or flags.backend()
+    return _resolve_backend(backend or flags.backend(), device.type)
+
+
+@functools.cache  # what it reads (installed packages, the device type) doesn't change in a process
+def _resolve_backend(backend: str, device_type: str) -> str:
+    device = torch.device(device_type)
     if backend not in flags.BACKENDS:
         raise ValueError(f"unknown gpuautograd backend {backend!r}; available: {flags.BACKENDS}")
     if backend == "auto":

@@ -107,9 +107,7 @@ def _hit_in_phases(loss, clock, walker) -> dict:
     w, key, *_ = engine.prepare([loss], grads, [], True, None, walker)
     entry = engine.CACHE.get(key)
     t1 = clock()
-    nodes = w.nodes
-    args = [w.saved[i] if kind == "saved" else grads[i] if kind == "grad" else nodes[i] for kind, i in entry.arg_plan]
-    w.saved.clear()
+    args = engine.bind(w, entry, grads)
     engine._release(w, entry.functional_nodes)
     t2 = clock()
     with torch.no_grad():

@@ -45,7 +45,7 @@ class NativeWalk:
         self.native = nw
         self.roots, self.inputs = roots, inputs
         self.nodes = _Nodes(nw)
-        self.saved = nw.take_saved()  # every distinct saved tensor, in compiled_args order
+        self._saved = None
         self.hook_reason = nw.fallback
         self.retained = []
         for t in hooks.tracked_tensors():
@@ -53,6 +53,19 @@ class NativeWalk:
             if edge is not None:
                 self.retained.append((edge[0], edge[1], t))
         self.retained.sort(key=lambda r: (r[0], r[1]))
+
+    @property
+    def saved(self) -> list:
+        """Every distinct saved tensor, in compiled_args order (taken from the native walk on first
+        use: a hit asks `arguments` instead and never makes this list)."""
+        if self._saved is None:
+            self._saved = self.native.take_saved()
+        return self._saved
+
+    def arguments(self, plan, grads: list) -> list | None:
+        """The program's argument list for `plan` (an ArgumentPlan), built in C++; None once the
+        saved tensors were taken into Python (a capture reads them there)."""
+        return self.native.arguments(plan, grads) if self._saved is None else None
 
     def release(self, indices) -> None:
         """Free what eager frees after running these nodes (Node::release_variables)."""
@@ -114,3 +127,11 @@ def saved_permutation(w: NativeWalk, pw: Walk) -> list[int]:
         if not same:
             raise RuntimeError(f"saved slot {slot}: the native walk's tensor {j} is not the Python walk's")
     return perm
+
+
+_ARGUMENT_KINDS = {"saved": 0, "grad": 1, "node": 2}  # walker.cpp's ArgumentPlan::Kind
+
+
+def argument_plan(arg_plan: list[tuple[str, int]]):
+    """The engine's argument plan (kind, native index) as the extension's ArgumentPlan."""
+    return native.load().ArgumentPlan([_ARGUMENT_KINDS[kind] for kind, _ in arg_plan], [i for _, i in arg_plan])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..capture.lower import _topological_order
 from ..capture.walk import ACCUMULATE, PYTHON
+from .. import native
 from . import detect, registry
 
 _python_tags: dict[type, str | None] = {}  # custom Function node class -> detect.python_node_tag
@@ -86,6 +87,9 @@ def plan(w, root_edges, input_edges, accumulate: bool, world_size: int) -> HookP
                 continue
             var = nodes[i].variable
             owners = registry.owners(var)
+            reason = _hooks_unaccounted(nodes[i], var, owners)
+            if reason:
+                return reason
             if owners:
                 leaves.append((i, owners))
             elif world_size > 1:
@@ -121,6 +125,26 @@ def plan(w, root_edges, input_edges, accumulate: bool, world_size: int) -> HookP
             if not rec.hooks_removed:
                 hooks.append((ddp.reducer._autograd_hook, k))
     return HookPlan(hooks) if hooks else None
+
+
+def _hooks_unaccounted(node, var, owners) -> str | None:
+    """With the native extension, the hooks the AccumulateGrad node itself carries: exactly one per
+    recorded reducer whose hooks are live, or this backward runs eagerly. That catches a DDP module
+    built before `import gpuautograd` (the registry never saw it) and hooks of other libraries,
+    which the Python walk alone can't see."""
+    ext = native.load()
+    if ext is None:
+        return None
+    carried = ext.post_hook_count(node)
+    expected = sum(1 for _, rec, _ in owners if not rec.hooks_removed)
+    if carried == expected:
+        return None
+    shape = list(var.shape)
+    return (
+        f"the AccumulateGrad node of a parameter {shape} carries {carried} post hook(s) where gpuautograd knows "
+        f"of {expected} DistributedDataParallel reducer hook(s) (a DDP module built before `import gpuautograd`, "
+        "or another library's hook); eager's backward runs them"
+    )
 
 
 def _unfed_sink_slot(w, sinks, root_edges) -> str | None:

@@ -200,6 +200,25 @@ class FreshBuffers {
   at::Device device_;
 };
 
+// The argument list a captured program expects, in its order: each entry names a saved tensor of
+// the native walk (its compiled_args index), an incoming gradient, or a node (an opaque one).
+class ArgumentPlan {
+ public:
+  enum Kind : uint8_t { kSavedArg = 0, kGradArg = 1, kNodeArg = 2 };
+  ArgumentPlan(std::vector<uint8_t> kinds, std::vector<int64_t> indices) : kinds_(std::move(kinds)), indices_(std::move(indices)) {
+    TORCH_CHECK(kinds_.size() == indices_.size(), "ArgumentPlan: lengths differ");
+    for (auto k : kinds_) {
+      TORCH_CHECK(k <= kNodeArg, "ArgumentPlan: unknown argument kind ", int(k));
+    }
+  }
+  const std::vector<uint8_t>& kinds() const { return kinds_; }
+  const std::vector<int64_t>& indices() const { return indices_; }
+
+ private:
+  std::vector<uint8_t> kinds_;
+  std::vector<int64_t> indices_;
+};
+
 // The leaf sinks of one captured program: output k of the program goes to the AccumulateGrad
 // node `node[k]` of the walk. `copy[k]` marks an output that may share storage with something
 // else the program returned or read (a view of an input): never stolen, whatever its use_count.
@@ -343,6 +362,34 @@ class NativeWalk {
     auto* acc = dynamic_cast<AccumulateGrad*>(nodes_.at(i).get());
     TORCH_CHECK(acc, "node ", i, " (", nodes_.at(i)->name(), ") is not an AccumulateGrad node");
     return acc->variable;
+  }
+
+  // The program's arguments, built straight from the collected tensors; the walk then lets go of
+  // them, so the list holds the only references this walk had (releasing frees as in eager).
+  py::list arguments(const ArgumentPlan& plan, py::list grads) {
+    auto& saved = compiler_.tensor_args.inputs;
+    const auto& kinds = plan.kinds();
+    const auto& indices = plan.indices();
+    py::list args(kinds.size());
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      int64_t i = indices[k];
+      PyObject* obj;
+      if (kinds[k] == ArgumentPlan::kSavedArg) {
+        TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(saved.size()), "saved argument ", i, " is not in this walk");
+        obj = THPVariable_Wrap(saved[i]);
+      } else if (kinds[k] == ArgumentPlan::kGradArg) {
+        obj = PyList_GetItem(grads.ptr(), i);
+        Py_XINCREF(obj);
+      } else {
+        obj = torch::autograd::functionToPyObject(nodes_.at(i));
+      }
+      if (obj == nullptr) {
+        throw py::error_already_set();
+      }
+      PyList_SET_ITEM(args.ptr(), k, obj);  // steals the reference
+    }
+    saved.clear();
+    return args;
   }
 
   void deliver(const LeafDelivery& plan, py::list outs) const {
@@ -571,6 +618,14 @@ void deliver_to_python_nodes(const LeafDelivery& plan, py::list outs, py::list n
   });
 }
 
+// How many C++ post hooks an AccumulateGrad node carries (DDP's reducer registers one per
+// parameter; Python can't see them). `node` is the Python object of a C++ node.
+int64_t post_hook_count(py::object node) {
+  PyObject* obj = node.ptr();
+  TORCH_CHECK(torch::autograd::THPCppFunction_Check(obj), "post_hook_count: not a C++ autograd node");
+  return static_cast<int64_t>(reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata->post_hooks().size());
+}
+
 std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs) {
   auto w = std::make_unique<NativeWalk>();
   w->run(roots, inputs);
@@ -593,10 +648,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("leaf_variable", &NativeWalk::leaf_variable)
       .def("saved_index", &NativeWalk::saved_index)
       .def("release", &NativeWalk::release)
+      .def("arguments", &NativeWalk::arguments, "The captured program's argument list (the walk lets go of its tensors).")
       .def("deliver", &NativeWalk::deliver, "Hand the program's leaf gradients in `outs` to their AccumulateGrad nodes.");
   py::class_<LeafDelivery>(m, "LeafDelivery")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<bool>>())
       .def("__len__", &LeafDelivery::size);
+  py::class_<ArgumentPlan>(m, "ArgumentPlan").def(py::init<std::vector<uint8_t>, std::vector<int64_t>>());
   py::class_<TableGroup>(m, "TableGroup")
       .def(py::init<std::vector<py::object>, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<int64_t>, int64_t>())
@@ -604,6 +661,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FreshBuffers>(m, "FreshBuffers")
       .def(py::init<std::vector<py::object>, std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device>())
       .def("allocate", &FreshBuffers::allocate, "Put a new empty tensor into the call's dict for every fresh output.");
+  m.def("post_hook_count", &post_hook_count, "The number of C++ post hooks of a C++ autograd node.");
   m.def("deliver", &deliver_to_python_nodes, "LeafDelivery for the Python walk's node list.");
   m.def("walk", &walk, "Walk the graph behind `roots`; `inputs` are autograd.grad's inputs (may be empty).");
 }

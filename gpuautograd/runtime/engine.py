@@ -164,13 +164,21 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
     return _execute(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
 
 
+def bind(w, entry: Entry, grads) -> list:
+    """The program's argument list from this walk; afterwards it holds the only references."""
+    if entry.native_arguments is not None and isinstance(w, native_walk.NativeWalk):
+        args = w.arguments(entry.native_arguments, grads if type(grads) is list else list(grads))
+        if args is not None:
+            return args
+    saved, nodes = w.saved, w.nodes
+    args = [saved[i] if kind == "saved" else grads[i] if kind == "grad" else nodes[i] for kind, i in entry.arg_plan]
+    saved.clear()  # from here the argument list holds the only program references
+    return args
+
+
 def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: bool, input_edges):
     """Run the plan on this walk's tensors and deliver the gradients (the part after the lookup)."""
-    saved, nodes = w.saved, w.nodes
-    args = []
-    for kind, i in entry.arg_plan:
-        args.append(saved[i] if kind == "saved" else grads[i] if kind == "grad" else nodes[i])
-    saved.clear()  # from here the argument list holds the only program references
+    args = bind(w, entry, grads)
     if not retain_graph:
         # The program now owns what it reads; a functional node never looks at its saved tensors again.
         _release(w, entry.functional_nodes)
@@ -251,6 +259,7 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
             entry = Entry(program=None, compiled=None, fallback_reason=reason)
         else:
             entry.arg_plan = [(kind, perm[i]) if kind == "saved" else (kind, i) for kind, i in entry.arg_plan]
+            entry.native_arguments = native_walk.argument_plan(entry.arg_plan)
             entry.keepalive = py_key  # holds the Python classes whose addresses the native key names
     if flags.debug_level() >= 2 and entry.program is not None:
         print(f"[gpuautograd] captured program:\n{entry.program}")

@@ -119,3 +119,31 @@ def test_one_rank_without_ddp_runs_functionally(world_of_one):
     for a, e in zip(ours, (p.grad for p in model.parameters())):
         torch.testing.assert_close(a, e)
     assert gpuautograd.stats()["captures"] == 1
+
+
+def test_a_ddp_module_the_registry_missed_runs_eagerly_with_its_hooks(world_of_one, monkeypatch):
+    """A DDP built while gpuautograd's registry wasn't watching (as one built before the import):
+    the AccumulateGrad nodes themselves show the reducer's hooks, so the backward runs eagerly and
+    the comm hook still shapes the gradients."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gpuautograd import native
+
+    if native.load() is None:
+        pytest.skip(f"the hook count needs the native extension: {native.reason()}")
+    unwatched = DDP._ddp_init_helper.__wrapped__
+    eager, _, _, _ = twins(torch.device("cpu"))
+    monkeypatch.setattr(DDP, "_ddp_init_helper", unwatched)
+    _, ours, _, _ = twins(torch.device("cpu"))
+    monkeypatch.undo()
+    assert all(registry.owners(p) == [] for p in ours.parameters())
+    for m in (eager, ours):
+        m.register_comm_hook(None, bf16_compress)
+    x = batch(0, 0, "cpu")
+    eager(x).pow(2).mean().backward()
+    gpuautograd.backward(ours(x).pow(2).mean())
+    compare(eager, ours, "unrecorded DDP")
+    g = ours.module.mid.weight.grad
+    assert torch.equal(g, g.bfloat16().to(g.dtype)), "the comm hook must have run"
+    (reason,) = gpuautograd.stats()["fallbacks"]
+    assert "post hook(s) where gpuautograd knows of 0" in reason, reason

@@ -34,6 +34,7 @@ namespace {
 // Tags keep fields of different kinds from running into each other in the key bytes.
 enum Tag : uint8_t {
   kNode = 1, kEdge, kNoEdge, kMeta, kSaved, kSizes, kLifted, kLeaf, kPython, kRoot, kInput,
+  kHooked,  // a node whose saved values carry unpack hooks: it runs opaque
 };
 
 class KeyWriter {
@@ -296,9 +297,10 @@ class NativeWalk {
       return;
     }
     if (compiler_.hooks.size() != hooks_before) {
-      // compiled_args saw a saved variable with unpack hooks and did not unpack it.
-      set_fallback("a saved tensor of " + node->name() +
-                   " has unpack hooks (torch.utils.checkpoint or saved_tensors_hooks); they run only inside eager's backward");
+      // compiled_args saw a saved variable with unpack hooks and did not unpack it. The node runs
+      // opaque, when eager would run it (its unpack hooks run then, once), so its key is what
+      // reads without unpacking: its type, edges and input metadata (written above), no saved value.
+      key_.put(kHooked);
       return;
     }
     auto ck = args.key();

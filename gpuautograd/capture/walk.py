@@ -97,8 +97,9 @@ class Walk:
     retained: list = field(default_factory=list)  # (node index, output_nr, tensor) for retain_grad()
     index: dict = field(default_factory=dict)  # node object -> its position in `nodes`
     # Nodes whose saved tensors carry unpack hooks (checkpointing, saved_tensors_hooks): they run
-    # opaque, and nothing reads their saved values before they do.
-    hooked: set = field(default_factory=set)
+    # opaque, and nothing reads their saved values before they do. Index -> whether an earlier
+    # backward already ran the node and let go of it (see mark_hooked_released).
+    hooked: dict = field(default_factory=dict)
     hook_reason: str | None = None
     walker = "python"  # not a field: which walker made this (the native one has its own class)
 
@@ -145,8 +146,7 @@ def walk(root_nodes) -> Walk:
                 # Reading _saved_<name> would run the unpack hook (a checkpoint recomputes its
                 # function on every read outside a backward). The node runs opaque when eager
                 # would run it, so its key is what reads without unpacking: class, edges, metadata.
-                w.hooked.add(len(classes) - 1)
-                extra = HOOKED_RELEASED if node.metadata.get(RELEASED_MARK) else HOOKED
+                extra = HOOKED_RELEASED if _note_hooked(w, node) else HOOKED
             else:
                 try:
                     extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
@@ -156,6 +156,8 @@ def walk(root_nodes) -> Walk:
             extra = _leaf_extra(w, node.variable, grad_dtypes)
         else:
             extra = tuple(node.needs_input_grad)
+            if saved_hooks and has_unpack_hook(node, info) and _note_hooked(w, node):  # opaque anyway
+                extra = (*extra, "released")
         key.append((cls, tuple(edges), metas, extra))
     for t in hooks.tracked_tensors():
         j = index.get(t.grad_fn)
@@ -199,12 +201,22 @@ def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool) -> tuple:
 def has_unpack_hook(node, info: NodeClass) -> bool:
     """Whether a saved value of `node` has an unpack hook (other than the one release_saved()
     installs), so that reading it ahead of the backward would run the hook."""
-    for raw in info.read_raw(node):
+    try:
+        raws = info.read_raw(node)
+    except RuntimeError:  # a custom Function's saved tensors freed by an earlier backward: no hook left
+        return False
+    for raw in raws:
         for sv in raw if isinstance(raw, (list, tuple)) else (raw,):
             hook = getattr(sv, "unpack_hook", None) if sv is not None else None
             if hook is not None and hook is not _unpack_released:
                 return True
     return False
+
+
+def _note_hooked(w: Walk, node) -> bool:
+    """Record the node just walked as hooked; returns whether it was already run and let go of."""
+    released = w.hooked[len(w.classes) - 1] = node.metadata.get(RELEASED_MARK, False)
+    return released
 
 
 # The key's last field for a node with unpack hooks, and for one whose saved values this walk's

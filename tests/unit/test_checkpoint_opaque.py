@@ -168,12 +168,39 @@ def test_selective_activation_checkpointing_matches_eager():
 def test_a_second_backward_through_a_checkpoint_raises_as_in_eager():
     x, w = rand(3, 4), rand(4, 2)
     calls: list = []
-    for backward in (lambda l: l.backward(), gpuautograd.backward):
+    for backward in (lambda loss: loss.backward(), gpuautograd.backward):
         loss = checkpoint(_counted(lambda h: (h @ w).tanh(), calls), x, use_reentrant=False).sum()
         backward(loss)
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             backward(loss)
     assert len(calls) == 4  # each: forward, one recomputation, and none for the refused backward
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+def test_a_custom_function_under_saved_tensor_hooks_unpacks_as_in_eager():
+    x = rand(6)
+    unpacked: list = []
+    for backward in (lambda loss: loss.backward(), gpuautograd.backward):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: unpacked.append(1) or t):
+            loss = _Square.apply(x.sin()).sum()
+        x.grad = None
+        backward(loss)
+        assert_close(x.grad, 2 * x.detach().sin() * x.detach().cos())
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            backward(loss)
+    assert len(unpacked) == 2 * 2  # each: the Function's saved x and SinBackward's, once
+    assert gpuautograd.stats()["fallbacks"] == {}
 
 
 def test_retain_graph_recomputes_per_backward_as_in_eager():
@@ -183,7 +210,7 @@ def test_retain_graph_recomputes_per_backward_as_in_eager():
         loss = checkpoint(_counted(lambda h: (h @ w).tanh(), calls), x, use_reentrant=False).sum()
         return _Twice(loss)
 
-    eager, eager_calls = _steps(make_loss, [x, w], 2, lambda t: t.run(lambda l, **kw: l.backward(**kw)))
+    eager, eager_calls = _steps(make_loss, [x, w], 2, lambda t: t.run(lambda loss, **kw: loss.backward(**kw)))
     ours, our_calls = _steps(make_loss, [x, w], 2, lambda t: t.run(gpuautograd.backward))
     assert our_calls == eager_calls == 2 * 3  # per step: forward and two recomputations
     for got, want in zip(ours, eager):

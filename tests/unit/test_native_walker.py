@@ -77,6 +77,26 @@ def test_both_walkers_hit_alike_and_hand_the_program_the_same_tensors(name, monk
         assert_close(b, e)
 
 
+def test_both_walkers_hand_the_program_the_same_tensors_around_a_checkpoint(monkeypatch):
+    # Nodes outside the checkpoint run functionally and read their saved tensors; the native walk
+    # also collects the unhooked saved tensors of hooked nodes, which must not shift the slots.
+    from torch.utils.checkpoint import checkpoint
+
+    x, y = (torch.randn(4, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = torch.randn(5, 5, dtype=torch.float64, requires_grad=True)
+    h = checkpoint(lambda a: (a @ w).tanh() * a, x, use_reentrant=False)
+    loss = ((h * y).exp() * h).sum()
+    native_counts, native_calls, native_grads = _two_backwards(loss, [x, w, y], "native", monkeypatch)
+    python_counts, python_calls, python_grads = _two_backwards(loss, [x, w, y], "python", monkeypatch)
+    assert native_counts == python_counts == (1, 1, 1)
+    assert len(native_calls) == 1 and native_calls[0] and native_calls == python_calls
+    expected = torch.autograd.grad(loss, [x, w, y])
+    for a, b, e in zip(native_grads, python_grads, expected):
+        assert_close(a, e)
+        assert_close(b, e)
+    assert gpuautograd.stats()["fallbacks"] == {}
+
+
 def _mm(a, b):
     return (torch.tanh(a @ b) * 1.5).sum()
 

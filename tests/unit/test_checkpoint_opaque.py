@@ -74,6 +74,18 @@ def test_mlp_block_runs_opaque_hits_and_recomputes_as_often_as_eager():
     assert gpuautograd.explain(make_loss([])).opaque_nodes  # the checkpointed nodes run opaque
 
 
+def test_dropout_inside_a_checkpoint_recomputes_the_same_mask_as_in_eager():
+    x, w = rand(8, 6), rand(6, 6)
+    seeds = iter(range(100))
+
+    def make_loss(calls):
+        torch.manual_seed(next(seeds) % 3)  # eager's steps and ours draw the same masks
+        block = _counted(lambda h: F.dropout(torch.tanh(h @ w), p=0.4, training=True) * h, calls)
+        return checkpoint(block, x, use_reentrant=False).sum()
+
+    _against_eager(make_loss, [x, w])
+
+
 def test_checkpointed_gpt_blocks_match_eager():
     torch.manual_seed(0)
     model, make_batch, loss_fn = CHECKPOINTED["gpt-ckpt"](dtype=torch.float64, seq=9, batch=3)

@@ -71,7 +71,10 @@ def test_mlp_block_runs_opaque_hits_and_recomputes_as_often_as_eager():
     s, calls = _against_eager(make_loss, [x, w1, b1, w2])
     assert calls == 6  # per step: the forward, and one recomputation inside the backward
     assert (s["captures"], s["cache_hits"]) == (1, 2), s
-    assert gpuautograd.explain(make_loss([])).opaque_nodes  # the checkpointed nodes run opaque
+    probe: list = []
+    report = gpuautograd.explain(make_loss(probe))
+    assert report.opaque_nodes and report.fallback_reason is None  # the checkpointed nodes run opaque
+    assert len(probe) == 1  # the forward only: explain() never unpacks, so nothing recomputes
 
 
 def test_dropout_inside_a_checkpoint_recomputes_the_same_mask_as_in_eager():

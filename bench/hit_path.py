@@ -1,6 +1,6 @@
 """Host cost of a cache hit, per autograd node, next to eager backward of the same model.
 
-    python -m bench.hit_path [--iters N] [--model gpt|mlp|llama|cnn] [--json] [--phases] [--opaque]
+    python -m bench.hit_path [--iters N] [--model gpt|mlp|llama|cnn|gpt-ckpt] [--json] [--phases] [--opaque]
 
 Every figure comes from one run with the variants interleaved iteration by iteration, so machine
 noise hits them alike; ratios are what to compare. Reported per iteration, median of N:
@@ -16,6 +16,8 @@ tensors as eager does), run (the compiled program) and deliver (.grad accumulati
 an opaque node: what a backward that runs a custom Function's backward costs. `--graph-task-ab`
 (with --opaque) measures, in alternating rounds, that backward run inside its one-node graph task
 (as gpuautograd runs it) and called directly (as it ran before), to price the graph task.
+`--model gpt-ckpt` is gpt with each block under non-reentrant activation checkpointing: both
+backwards recompute the blocks, and gpuautograd runs the checkpointed nodes opaque.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ import time
 import torch
 
 import gpuautograd
+from gpuautograd.distributed import graph_task
 from gpuautograd.runtime import engine
 
 from .host_overhead import WALKERS, available_walkers, walker_env
-from .models import SUITE
+from .models import CHECKPOINTED, SUITE
+
+MODELS = {**SUITE, **CHECKPOINTED}
 
 
 class _Identity(torch.autograd.Function):
@@ -56,7 +61,7 @@ def _forward(model, make_batch, loss_fn, batch, opaque=False):
 def measure(name: str = "gpt", iters: int = 50, threads: int = 1, walkers=WALKERS, opaque: bool = False) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model, make_batch, loss_fn = SUITE[name]()
+    model, make_batch, loss_fn = MODELS[name]()
     batch = make_batch(torch.Generator().manual_seed(0))
     loss = _forward(model, make_batch, loss_fn, batch, opaque)
     num_nodes = gpuautograd.explain(loss).num_nodes
@@ -111,7 +116,11 @@ def _hit_in_phases(loss, clock, walker) -> dict:
     engine._release(w, entry.functional_nodes)
     t2 = clock()
     with torch.no_grad():
-        outs = list(entry.compiled(args))  # as engine._execute: the list holds the only references
+        if entry.opaque_nodes:  # as engine.run runs a backward with opaque nodes
+            outs = list(graph_task.call_in_graph_task(lambda: entry.compiled(args), accumulate=True))
+            engine._release(w, entry.opaque_nodes)
+        else:
+            outs = list(entry.compiled(args))  # as engine._execute: the list holds the only references
     t3 = clock()
     assert all(kind == "leaf" for kind, *_ in entry.sinks), "--phases times models whose gradients all go to leaves"
     engine._deliver(w, entry, outs, [], True, ())
@@ -123,7 +132,7 @@ def measure_phases(name: str = "gpt", iters: int = 100, threads: int = 1, walker
     """Median thread CPU time (us) per phase, keyed "phase[walker]", and "eager"."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model, make_batch, loss_fn = SUITE[name]()
+    model, make_batch, loss_fn = MODELS[name]()
     batch = make_batch(torch.Generator().manual_seed(0))
     for walker in walkers:  # capture: each walker keys its own plan
         with walker_env(walker):
@@ -165,7 +174,7 @@ def graph_task_ab(name: str, iters: int, rounds: int = 3) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--model", default="gpt", choices=sorted(SUITE))
+    p.add_argument("--model", default="gpt", choices=sorted(MODELS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     p.add_argument("--phases", action="store_true", help="split a hit into its steps, in thread CPU time")

@@ -29,7 +29,7 @@ status=0
 # doesn't compile against fails this step; gpuautograd itself then runs the Python walk.
 echo "== native walker: build, then the parity tests"
 GPUAUTOGRAD_NATIVE=1 python -c "from gpuautograd import native; native.load()" || status=$?
-GPUAUTOGRAD_NATIVE=1 python -m pytest -q tests/unit/test_native_walker.py || status=$?
+GPUAUTOGRAD_NATIVE=1 python -m pytest -q tests/unit/test_native_walker.py tests/unit/test_checkpoint_opaque.py || status=$?
 
 if [ -d tests/gpu ]; then
     echo "== GPU tier: python -m pytest -q -m gpu tests/gpu"

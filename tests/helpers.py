@@ -225,15 +225,15 @@ def idx(*values):
 
 
 def train_side_by_side(name, dtype, steps=3, accumulate_every=2, backend="reference", **factory_kwargs):
-    """Train model `name` of bench.models.SUITE for `steps` steps with gpuautograd on `backend` and
-    with eager autograd, from the same weights and batches (and, for a fused backend, a third copy
-    on the reference executor). Every step compares every .grad (values and strides); every
+    """Train model `name` of bench.models.SUITE (or CHECKPOINTED) for `steps` steps with gpuautograd
+    on `backend` and with eager autograd, from the same weights and batches (and, for a fused
+    backend, a third copy on the reference executor). Every step compares every .grad (values and strides); every
     `accumulate_every` steps an SGD step runs, so .grad accumulates over micro-batches in between.
     Finally compares the parameters. Returns the model trained with gpuautograd."""
-    from bench.models import SUITE
+    from bench.models import CHECKPOINTED, SUITE
 
     torch.manual_seed(0)
-    model, make_batch, loss_fn = SUITE[name](dtype=dtype, **factory_kwargs)
+    model, make_batch, loss_fn = {**SUITE, **CHECKPOINTED}[name](dtype=dtype, **factory_kwargs)
     runs = {backend: model, "eager": copy.deepcopy(model)}
     if backend in FUSED_BACKENDS:
         runs["reference"] = copy.deepcopy(model)

@@ -19,7 +19,7 @@ from ..ir.types import NodeType, TensorType
 from ..rules.registry import lookup
 from . import hooks
 from .nodeview import NodeView, as_signed
-from .walk import ACCUMULATE, CPP, Walk, read_saved, saved_key
+from .walk import ACCUMULATE, BACKWARD_TWICE, CPP, Walk, read_saved, saved_key
 
 
 @dataclass
@@ -120,7 +120,9 @@ def lower(w: Walk, req: Request) -> Program:
             continue
         out_types = [None if e is None else _edge_type(w, metas, e) for e in edges[i]]
         needs = [e is not None and (e in targets or executes[e[0]]) for e in edges[i]]
-        rule = lookup(info.name) if info.kind == CPP else None
+        if w.hooked.get(i):  # an earlier run let go of it (eager frees it): its unpack hook must not run again
+            raise RuntimeError(BACKWARD_TWICE)
+        rule = lookup(info.name) if info.kind == CPP and i not in w.hooked else None
         if rule is not None:
             saved = _saved_values(b, w, i, w.saved_start[i])
             view = NodeView(info.name, saved, [_meta_type(m) for m in metas[i]], out_types, needs, _saved_layouts(w, i))

@@ -95,8 +95,8 @@ def key_of(w: NativeWalk) -> tuple:
 def _raw_slots(pw: Walk) -> list:
     """The SavedTensor object behind each of the Python walk's saved slots, in slot order."""
     raw = []
-    for node, info in zip(pw.nodes, pw.classes):
-        if info.kind is not CPP:
+    for i, (node, info) in enumerate(zip(pw.nodes, pw.classes)):
+        if info.kind is not CPP or i in pw.hooked:  # a hooked node's saved values hold no slot
             continue
         for name, is_tensor, value in zip(info.saved_names, info.tensor_flags, info.read(node)):
             if not is_tensor or value is None:

@@ -96,6 +96,10 @@ class Walk:
     key: list = field(default_factory=list)
     retained: list = field(default_factory=list)  # (node index, output_nr, tensor) for retain_grad()
     index: dict = field(default_factory=dict)  # node object -> its position in `nodes`
+    # Nodes whose saved tensors carry unpack hooks (checkpointing, saved_tensors_hooks): they run
+    # opaque, and nothing reads their saved values before they do. Index -> whether an earlier
+    # backward already ran the node and let go of it (see mark_hooked_released).
+    hooked: dict = field(default_factory=dict)
     hook_reason: str | None = None
     walker = "python"  # not a field: which walker made this (the native one has its own class)
 
@@ -138,11 +142,11 @@ def walk(root_nodes) -> Walk:
         kind = info.kind
         saved_start.append(len(saved))
         if kind is CPP:
-            if saved_hooks and info.raw_names and (reason := unpack_hook_reason(node, info)):
+            if saved_hooks and info.raw_names and has_unpack_hook(node, info):
                 # Reading _saved_<name> would run the unpack hook (a checkpoint recomputes its
-                # function on every read outside a backward); eager runs it once, as it executes.
-                w.hook_reason = w.hook_reason or reason
-                extra = ("unpack hooks",)
+                # function on every read outside a backward). The node runs opaque when eager
+                # would run it, so its key is what reads without unpacking: class, edges, metadata.
+                extra = HOOKED_RELEASED if _note_hooked(w, node) else HOOKED
             else:
                 try:
                     extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
@@ -152,6 +156,8 @@ def walk(root_nodes) -> Walk:
             extra = _leaf_extra(w, node.variable, grad_dtypes)
         else:
             extra = tuple(node.needs_input_grad)
+            if saved_hooks and has_unpack_hook(node, info) and _note_hooked(w, node):  # opaque anyway
+                extra = (*extra, "released")
         key.append((cls, tuple(edges), metas, extra))
     for t in hooks.tracked_tensors():
         j = index.get(t.grad_fn)
@@ -192,15 +198,32 @@ def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool) -> tuple:
     return extra
 
 
-def unpack_hook_reason(node, info: NodeClass) -> str | None:
-    """Why the saved values of `node` can't be read ahead of the backward: one of them has an
-    unpack hook (other than the one release_saved() installs)."""
-    for raw in info.read_raw(node):
+def has_unpack_hook(node, info: NodeClass) -> bool:
+    """Whether a saved value of `node` has an unpack hook (other than the one release_saved()
+    installs), so that reading it ahead of the backward would run the hook."""
+    try:
+        raws = info.read_raw(node)
+    except RuntimeError:  # a custom Function's saved tensors freed by an earlier backward: no hook left
+        return False
+    for raw in raws:
         for sv in raw if isinstance(raw, (list, tuple)) else (raw,):
             hook = getattr(sv, "unpack_hook", None) if sv is not None else None
             if hook is not None and hook is not _unpack_released:
-                return f"a saved tensor of {info.name} has an unpack hook (checkpointing or saved-tensor hooks)"
-    return None
+                return True
+    return False
+
+
+def _note_hooked(w: Walk, node) -> bool:
+    """Record the node just walked as hooked; returns whether it was already run and let go of."""
+    released = w.hooked[len(w.classes) - 1] = node.metadata.get(RELEASED_MARK, False)
+    return released
+
+
+# The key's last field for a node with unpack hooks, and for one whose saved values this walk's
+# engine let go after running it (see mark_hooked_released).
+HOOKED = ("unpack hooks",)
+HOOKED_RELEASED = ("unpack hooks", "released")
+RELEASED_MARK = "_gpuautograd_released"
 
 
 def read_saved(node, info: NodeClass) -> dict:
@@ -215,7 +238,7 @@ class _Released:
 
 
 _RELEASED = _Released()
-_BACKWARD_TWICE = (
+BACKWARD_TWICE = (
     "Trying to backward through the graph a second time (or directly access saved tensors after they "
     "have already been freed). Saved intermediate values of the graph are freed when you call .backward() "
     "or autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time "
@@ -228,7 +251,7 @@ def _pack_release(tensor):
 
 
 def _unpack_released(_):
-    raise RuntimeError(_BACKWARD_TWICE)
+    raise RuntimeError(BACKWARD_TWICE)
 
 
 _unpack_released._gpuautograd_release = True  # hooks.py: not a user's saved-tensor hook
@@ -248,3 +271,13 @@ def release_saved(nodes, classes, kinds=(CPP, PYTHON)) -> None:
                     sv.register_hooks(_pack_release, _unpack_released)
                 except RuntimeError:
                     pass  # a saved None, or already released: nothing is held
+
+
+def mark_hooked_released(nodes) -> None:
+    """After running nodes whose saved tensors carry unpack hooks, without retain_graph. Python
+    can't free those (release_variables() has no binding, and register_hooks refuses a second
+    pair), so the walk is told instead: a later backward through them raises torch's "backward
+    through the graph a second time" error, as eager's does, rather than unpacking again. The mark
+    lives in the node's metadata dict, which the C++ node keeps for its lifetime."""
+    for node in nodes:
+        node.metadata[RELEASED_MARK] = True

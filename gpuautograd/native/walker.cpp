@@ -37,12 +37,15 @@ using torch::autograd::AccumulateGrad;
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 namespace ca = torch::dynamo::autograd;
+// How the graph holds its nodes: std::shared_ptr in torch 2.11, c10::intrusive_ptr in 2.13.
+using NodePtr = decltype(torch::autograd::Edge::function);
 
 namespace {
 
 // Tags keep fields of different kinds from running into each other in the key bytes.
 enum Tag : uint8_t {
   kNode = 1, kEdge, kNoEdge, kMeta, kSaved, kSizes, kLifted, kLeaf, kPython, kRoot, kInput,
+  kHooked,  // a node whose saved values carry unpack hooks: it runs opaque
 };
 
 class KeyWriter {
@@ -414,7 +417,7 @@ class NativeWalk {
   py::tuple input_edges() const { return py::tuple(input_edges_); }
 
  private:
-  int64_t discover(const c10::intrusive_ptr<Node>& fn) {
+  int64_t discover(const NodePtr& fn) {
     auto [it, fresh] = index_.try_emplace(fn.get(), static_cast<int64_t>(nodes_.size()));
     if (fresh) {
       nodes_.push_back(fn);
@@ -430,7 +433,7 @@ class NativeWalk {
 
   void visit(size_t i) {
     // A copy, not a reference into nodes_: discover() may reallocate it.
-    c10::intrusive_ptr<Node> node = nodes_[i];
+    NodePtr node = nodes_[i];
     key_.put(kNode);
     put_edges(*node);
     put_input_metadata(*node);
@@ -508,8 +511,19 @@ class NativeWalk {
   // The THPFunction of a node defined in Python (a PyNode), else nullptr. PyNode's type info is
   // not exported from libtorch_python, so the node's Python object tells.
   static PyObject* python_function(const Node& node) {
-    PyObject* obj = node.pyobj_slot()->load_pyobj();
+    PyObject* obj = load_pyobj(node, 0);
     return obj != nullptr && PyObject_TypeCheck(obj, &THPFunctionType) ? obj : nullptr;
+  }
+
+  // The node's Python object: a plain pointer in torch 2.11, behind a PyObjectSlot in 2.13 (the
+  // first overload exists only where pyobj_slot() does).
+  template <typename N>
+  static auto load_pyobj(const N& node, int) -> decltype(node.pyobj_slot()->load_pyobj()) {
+    return node.pyobj_slot()->load_pyobj();
+  }
+  template <typename N>
+  static PyObject* load_pyobj(const N& node, long) {
+    return node.pyobj();
   }
 
   void put_python(PyObject* obj) {
@@ -529,7 +543,7 @@ class NativeWalk {
     }
   }
 
-  void put_cpp(const c10::intrusive_ptr<Node>& node) {
+  void put_cpp(const NodePtr& node) {
     // The type's name pointer is unique per C++ type and lives as long as the process.
     key_.put(reinterpret_cast<uintptr_t>(typeid(*node).name()));
     size_t tensors_before = compiler_.tensor_args.inputs.size();
@@ -547,9 +561,10 @@ class NativeWalk {
       return;
     }
     if (compiler_.hooks.size() != hooks_before) {
-      // compiled_args saw a saved variable with unpack hooks and did not unpack it.
-      set_fallback("a saved tensor of " + node->name() +
-                   " has unpack hooks (torch.utils.checkpoint or saved_tensors_hooks); they run only inside eager's backward");
+      // compiled_args saw a saved variable with unpack hooks and did not unpack it. The node runs
+      // opaque, when eager would run it (its unpack hooks run then, once), so its key is what
+      // reads without unpacking: its type, edges and input metadata (written above), no saved value.
+      key_.put(kHooked);
       return;
     }
     auto ck = args.key();
@@ -598,10 +613,10 @@ class NativeWalk {
     return nl == std::string::npos ? s : s.substr(0, nl);
   }
 
-  std::vector<c10::intrusive_ptr<Node>> nodes_;
+  std::vector<NodePtr> nodes_;
   std::unordered_map<const Node*, int64_t> index_;
   ca::AutogradCompilerCall compiler_;
-  ca::NodeCall call_{0, c10::intrusive_ptr<Node>()};
+  ca::NodeCall call_{0, NodePtr()};
   KeyWriter key_;
   py::list root_edges_;
   py::list input_edges_;

@@ -17,7 +17,7 @@ from .. import distributed, flags, native
 from ..capture import hooks, native_walk
 from ..capture.lower import Request, lower
 from ..capture.native_walk import NATIVE, PYTHON
-from ..capture.walk import CPP, release_saved, tensor_meta, walk
+from ..capture.walk import CPP, mark_hooked_released, release_saved, tensor_meta, walk
 from ..degrade import report
 from ..distributed import graph_task
 from ..fusion.partition import plan_fusion
@@ -120,6 +120,8 @@ def _release(w, indices) -> None:
         w.release(indices)
     else:
         release_saved([w.nodes[i] for i in indices], [w.classes[i] for i in indices])
+        if w.hooked:
+            mark_hooked_released([w.nodes[i] for i in indices if i in w.hooked])
 
 
 def run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: str | None):

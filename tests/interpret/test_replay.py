@@ -39,7 +39,7 @@ def test_number_of_bound_plans_is_bounded(monkeypatch):
     rc.number_of_bound_plans_is_bounded(CPU, monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "cnn"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "cnn", "gpt-ckpt"])
 def test_suite_models_train_like_eager(name):
     """Gradients and strides every step, accumulation over micro-batches, set_to_none after each
     optimizer step, against eager and the reference executor (float64)."""

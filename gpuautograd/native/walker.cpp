@@ -283,8 +283,17 @@ class LeafDelivery {
   static bool stealable(const at::Tensor& grad, const at::Tensor& variable) {
     return !variable.grad_fn() && grad.layout() == at::kStrided && !grad.is_nested() && !grad.is_mkldnn() && !grad.requires_grad() &&
         !variable.is_sparse_csr() && grad.use_count() == 1 && !at::caching::is_cached_tensor(grad) &&
-        (!c10::AutogradState::get_tls_state().get_grad_layout_enforcement_enabled() ||
-         torch::autograd::utils::obeys_layout_contract(grad, variable));
+        (!layout_enforced(c10::AutogradState::get_tls_state(), 0) || torch::autograd::utils::obeys_layout_contract(grad, variable));
+  }
+
+  // Whether the gradient layout contract is on (a switch newer torches have; before it, always).
+  template <typename State>
+  static auto layout_enforced(const State& state, int) -> decltype(state.get_grad_layout_enforcement_enabled()) {
+    return state.get_grad_layout_enforcement_enabled();
+  }
+  template <typename State>
+  static bool layout_enforced(const State&, long) {
+    return true;
   }
 
   std::vector<int64_t> output_, node_;

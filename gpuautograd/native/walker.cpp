@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -222,6 +223,12 @@ class ArgumentPlan {
   std::vector<int64_t> indices_;
 };
 
+// Node::mutex_ is protected; eager's AccumulateGrad::apply holds it while it writes .grad, so the
+// delivery's own fast path takes it too (this type is never instantiated).
+struct NodeMutex : Node {
+  static std::mutex& of(Node& node) { return node.*(&NodeMutex::mutex_); }
+};
+
 // The leaf sinks of one captured program: output k of the program goes to the AccumulateGrad
 // node `node[k]` of the walk. `copy[k]` marks an output that may share storage with something
 // else the program returned or read (a view of an input): never stolen, whatever its use_count.
@@ -262,6 +269,7 @@ class LeafDelivery {
       if (!current.defined() && !copy_[k] && stealable(grad, variable)) {
         // AccumulateGrad's Case 1.1 (stealing a dense gradient), minus the detach: the program ran
         // without grad mode, so the gradient has no history to cut.
+        std::lock_guard<std::mutex> lock(NodeMutex::of(*acc));  // as AccumulateGrad::apply holds it
         variable.mutable_grad() = std::move(grad);
         continue;
       }

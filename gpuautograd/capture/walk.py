@@ -174,6 +174,9 @@ def _unreadable(saved: list, start: int, error: RuntimeError) -> tuple:
     return ("unreadable", str(error)[:80])
 
 
+GRAD_DTYPE_ANY_REASON = "a leaf's grad_dtype is None (its .grad keeps the incoming dtype)"
+
+
 def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool) -> tuple:
     """The key of an AccumulateGrad node; notes in `w.hook_reason` what only eager can honour."""
     if var._backward_hooks:
@@ -187,7 +190,7 @@ def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool) -> tuple:
         return ("no strides", var.layout, var.is_nested)
     if grad_dtypes and var.grad_dtype != var.dtype:
         if var.grad_dtype is None:  # .grad keeps whatever dtype arrives, known only at run time
-            w.hook_reason = w.hook_reason or "a leaf's grad_dtype is None (its .grad keeps the incoming dtype)"
+            w.hook_reason = w.hook_reason or GRAD_DTYPE_ANY_REASON
         extra = (*extra, var.grad_dtype)
     return extra
 

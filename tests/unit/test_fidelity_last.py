@@ -1,0 +1,133 @@
+"""Drop-in fidelity, the last cases of issue 12: observers of the backward (dispatch modes, the
+profiler), a leaf's grad_dtype changed between backwards, and more, each against eager torch."""
+
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gpuautograd
+from tests.helpers import assert_close
+
+
+def both(fn):
+    """fn() under plain torch and under gpuautograd.enable(), each on fresh inputs from the same seed."""
+    torch.manual_seed(1)
+    expected = fn()
+    torch.manual_seed(1)
+    with gpuautograd.enable(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        actual = fn()
+    return actual, expected
+
+
+def functional_calls() -> int:
+    s = gpuautograd.stats()
+    return s["captures"] + s["cache_hits"]
+
+
+# Observers: a dispatch mode sees eager's ops and the node each runs in; the profiler, its events
+class _NodeRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        node = torch._C._current_autograd_node()
+        self.seen.append((str(func), type(node).__name__ if node is not None else None))
+        return func(*args, **(kwargs or {}))
+
+
+def _observed_backward():
+    x = torch.randn(7, 5, dtype=torch.double, requires_grad=True)
+    w = torch.randn(5, 3, dtype=torch.double, requires_grad=True)
+    loss = (x @ w).tanh().sum()
+    with _NodeRecorder() as mode:
+        loss.backward()
+    return mode.seen, x.grad, w.grad
+
+
+def test_dispatch_mode_sees_eagers_ops_and_nodes():
+    (seen, gx, gw), (eager_seen, ex, ew) = both(_observed_backward)
+    assert seen == eager_seen
+    assert any(node == "TanhBackward0" for _, node in seen)
+    assert_close(gx, ex)
+    assert_close(gw, ew)
+    assert functional_calls() == 0
+    assert any("TorchDispatchMode" in reason for reason in gpuautograd.stats()["fallbacks"])
+
+
+def test_dispatch_mode_with_functional_flag_runs_the_program(monkeypatch):
+    monkeypatch.setenv("GPUAUTOGRAD_WHEN_OBSERVED", "functional")
+    (seen, gx, gw), (eager_seen, ex, ew) = both(_observed_backward)
+    assert functional_calls() == 1
+    assert seen != eager_seen  # the program's ops, outside any autograd node
+    assert_close(gx, ex)
+    assert_close(gw, ew)
+
+
+def test_profiler_sees_eagers_per_node_events():
+    def run():
+        x = torch.randn(6, 4, dtype=torch.double, requires_grad=True)
+        y = torch.randn(6, 4, dtype=torch.double, requires_grad=True)
+        loss = (x * y + x).sum()
+        with torch.profiler.profile() as prof:
+            loss.backward()
+        events = [(e.name, e.sequence_nr - loss.grad_fn._sequence_nr()) for e in prof.events() if "Backward" in e.name]
+        return events, x.grad, y.grad
+
+    (events, gx, gy), (eager_events, ex, ey) = both(run)
+    assert events == eager_events
+    assert any(name.startswith("autograd::engine::evaluate_function: MulBackward0") for name, _ in events)
+    assert_close(gx, ex)
+    assert_close(gy, ey)
+    assert functional_calls() == 0
+
+
+def test_no_observer_runs_functionally():
+    def run():
+        x = torch.randn(7, 5, dtype=torch.double, requires_grad=True)
+        (x.sin() * x).sum().backward()
+        return x.grad
+
+    actual, expected = both(run)
+    assert_close(actual, expected)
+    assert functional_calls() == 1
+
+
+def test_bad_when_observed_value_names_the_flag(monkeypatch):
+    monkeypatch.setenv("GPUAUTOGRAD_WHEN_OBSERVED", "sometimes")
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="GPUAUTOGRAD_WHEN_OBSERVED"):
+        with _NodeRecorder():
+            gpuautograd.backward(x.exp().sum())
+
+
+# L: a leaf's grad_dtype set after the same graph was captured with the default one
+class _ToDouble(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(torch.float64) * 3
+
+
+@pytest.mark.usefixtures("walker")
+def test_grad_dtype_set_between_backwards_of_one_graph():
+    def run():
+        grads = []
+        for grad_dtype in ("default", None, torch.float16, "default"):
+            x = torch.tensor([1.5, -2.0, 0.25], requires_grad=True)
+            if grad_dtype != "default":
+                x.grad_dtype = grad_dtype
+            (_ToDouble.apply(x) * x).sum().backward()
+            grads.append(x.grad)
+        return grads
+
+    actual, expected = both(run)
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype
+        assert_close(a, e)

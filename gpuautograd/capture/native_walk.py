@@ -11,7 +11,7 @@ from __future__ import annotations
 from .. import native
 from ..degrade import describe_error
 from . import hooks
-from .walk import ACCUMULATE_NAME, CPP, GRAD_DTYPE_ANY_REASON, Walk
+from .walk import ACCUMULATE_NAME, CPP, DETACHED_IN_PLACE, GRAD_DTYPE_ANY_REASON, Walk
 
 NATIVE, PYTHON = "native", "python"
 
@@ -84,6 +84,8 @@ def walk(roots, inputs) -> tuple[NativeWalk | None, str | None]:
         # compiled_args refused a node: a saved value an earlier grad() freed (the Python walk
         # raises only if that node runs), or a node it can't visit (CopySlices with a view_fn).
         # The Python walk reads those graphs correctly.
+        if DETACHED_IN_PLACE in str(e):
+            hooks.note_inplace_detach()  # a saved input detached before the import: the Python walk looks now
         return None, f"the native walker could not read this graph ({describe_error(e)[:120]})"
     if nw.unsupported:
         return None, nw.unsupported

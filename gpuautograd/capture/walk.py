@@ -107,6 +107,7 @@ def walk(root_nodes) -> Walk:
     known = _CLASSES
     grad_dtypes = hooks.grad_dtype_seen  # else every leaf's grad_dtype is its dtype
     saved_hooks = hooks.saved_hooks_seen  # else no saved value has an unpack hook
+    detached = hooks.inplace_detach_seen  # else no saved input was detached in place
     for n in root_nodes:
         if n not in index:
             index[n] = len(nodes)
@@ -148,6 +149,8 @@ def walk(root_nodes) -> Walk:
                     extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
                 except RuntimeError as e:
                     extra = _unreadable(saved, saved_start[-1], e)
+                if detached and (reason := detached_saved_reason(node, info)):
+                    w.hook_reason = w.hook_reason or reason
         elif kind is ACCUMULATE:
             extra = _leaf_extra(w, node.variable, grad_dtypes)
         else:
@@ -203,6 +206,28 @@ def unpack_hook_reason(node, info: NodeClass) -> str | None:
             hook = getattr(sv, "unpack_hook", None) if sv is not None else None
             if hook is not None and hook is not _unpack_released:
                 return f"a saved tensor of {info.name} has an unpack hook (checkpointing or saved-tensor hooks)"
+    return None
+
+
+DETACHED_IN_PLACE = "detached in-place"  # in torch's error for a saved tensor detached with .detach_()
+
+
+def detached_saved_reason(node, info: NodeClass) -> str | None:
+    """Why eager's engine would refuse to run `node`: a saved input was detached in place after
+    it was saved. Reading _saved_<name> does not raise that (it unpacks for the node), while
+    SavedTensor.unpack() raises it for every saved output too; a saved output is told apart by
+    its unpacked value, whose grad_fn is the node itself."""
+    for name in info.raw_names:
+        raw, value = getattr(node, "_raw_saved_" + name), getattr(node, "_saved_" + name)
+        many = isinstance(raw, (list, tuple))
+        for sv, v in zip(raw if many else (raw,), value if many else (value,)):
+            if sv is None or v is None:
+                continue
+            try:
+                sv.unpack()
+            except RuntimeError as e:
+                if DETACHED_IN_PLACE in str(e) and v.grad_fn is not node:
+                    return f"a saved input of {info.name} was detached in place (.detach_()): eager raises torch's error if it runs"
     return None
 
 

@@ -131,3 +131,55 @@ def test_grad_dtype_set_between_backwards_of_one_graph():
     for a, e in zip(actual, expected):
         assert a.dtype == e.dtype
         assert_close(a, e)
+
+
+# I: a saved input detached in place after the forward
+@pytest.mark.usefixtures("walker")
+def test_saved_input_detached_in_place_raises_torchs_error():
+    def run():
+        # the same structure runs once undetached first, so a cached plan exists to be (wrongly) hit
+        for detach in (False, True):
+            a = (torch.randn(4, 3, dtype=torch.double, requires_grad=True) * 2).clone()
+            loss = a.sin().sum()
+            if detach:
+                a.detach_()
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                return str(e).splitlines()[0]
+        return None
+
+    actual, expected = both(run)
+    assert expected is not None and "detached in-place" in expected
+    assert actual == expected
+
+
+@pytest.mark.usefixtures("walker")
+def test_detached_saved_input_of_a_node_that_does_not_run():
+    def run():
+        a = (torch.randn(5, dtype=torch.double, requires_grad=True) + 1).clone()
+        z = torch.randn(5, dtype=torch.double, requires_grad=True)
+        out = (a.sin() + z.exp() * 2).sum()
+        a.detach_()  # SinBackward0's saved input; grad() w.r.t. z never runs that node
+        (gz,) = torch.autograd.grad(out, [z])
+        return gz
+
+    actual, expected = both(run)
+    assert_close(actual, expected)
+
+
+@pytest.mark.usefixtures("walker")
+def test_detached_saved_output_runs_functionally():
+    def run():
+        x = torch.randn(6, dtype=torch.double, requires_grad=True)
+        a = x * 3
+        b = a.exp()  # saves its result
+        loss = (b * 2).sum()
+        b.detach_()  # eager allows this: a saved output is unpacked for its node
+        a.detach_()  # exp saves no input
+        loss.backward()
+        return x.grad
+
+    actual, expected = both(run)
+    assert_close(actual, expected)
+    assert functional_calls() == 1

@@ -157,8 +157,16 @@ def _polygamma(x, *, n):
     return torch.polygamma(n, x)
 
 
+def _add(a, b):
+    # A custom backward may return a sparse gradient, which eager's engine sums with a dense one
+    # as dense + sparse (torch has no sparse + dense); both orders give the same values.
+    if a.layout is not torch.strided and b.layout is torch.strided:
+        return b + a
+    return a + b
+
+
 _BINARY = {
-    "add": lambda a, b: a + b,
+    "add": _add,
     "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b,
     "pow": lambda a, b: a**b,

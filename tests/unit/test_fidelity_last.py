@@ -183,3 +183,35 @@ def test_detached_saved_output_runs_functionally():
     actual, expected = both(run)
     assert_close(actual, expected)
     assert functional_calls() == 1
+
+
+# E: a custom backward's sparse gradient summed with a dense one, in the program
+class _GivenGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grad):
+        ctx.save_for_backward(grad)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (grad,) = ctx.saved_tensors
+        return grad, None
+
+
+@pytest.mark.parametrize("order", ["sparse_first", "dense_first", "sparse_only"])
+def test_sparse_and_dense_custom_gradients_sum_as_eager(order):
+    def run():
+        size = (5, 3, 2)
+        sparse_a = torch.sparse_coo_tensor(torch.tensor([[0, 3, 4], [0, 2, 1]]), torch.randn(3, 2, dtype=torch.double), size, check_invariants=True)
+        sparse_b = torch.sparse_coo_tensor(torch.tensor([[1, 3], [0, 2]]), torch.randn(2, 2, dtype=torch.double), size, check_invariants=True)
+        dense = torch.randn(size, dtype=torch.double)
+        grads = {"sparse_first": [sparse_a, dense, sparse_b], "dense_first": [dense, sparse_a, sparse_b], "sparse_only": [sparse_a, sparse_b]}[order]
+        x = torch.randn(size, dtype=torch.double, requires_grad=True)
+        total = sum(_GivenGradient.apply(x, g) for g in grads)
+        total.sum().backward()
+        return x.grad
+
+    actual, expected = both(run)
+    assert actual.layout == expected.layout
+    assert_close(actual.to_dense(), expected.to_dense())
+    assert functional_calls() == 1

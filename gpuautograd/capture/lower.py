@@ -36,6 +36,10 @@ class CaptureError(RuntimeError):
     pass
 
 
+class EagerOnly(Exception):
+    """Lowering found what only eager's engine does exactly: this graph runs eagerly, for this reason."""
+
+
 def _meta_type(meta) -> TensorType:
     shape, dtype, device = meta
     return TensorType(tuple(shape), dtype, device)
@@ -240,6 +244,7 @@ def _opaque(b, w, i, grads, in_types, out_types, needs, none_ok):
         args = [g for g in grads if g is not None]
     else:
         # A custom Function gets zeros for undefined gradients, as its materialize_grads does.
+        _check_materializable(info, grads, in_types)
         present = (True,) * len(grads)
         args = [g if g is not None else b.zeros(t) for g, t in zip(grads, in_types)]
     if info.kind != CPP:
@@ -252,4 +257,18 @@ def _opaque(b, w, i, grads, in_types, out_types, needs, none_ok):
     return b.emit("opaque", node_value, *args, present=present, out_types=types, python_positions=python_positions, none_ok=none_ok)
 
 
-__all__ = ["CaptureError", "IRError", "Request", "lower"]
+def _check_materializable(info, grads, in_types) -> None:
+    """Eager passes a custom backward None, not zeros, for an output that was not a differentiable
+    tensor (a non-tensor, or one marked non-differentiable while ctx._materialize_non_diff_grads is
+    off), and zeros of the output's own shape for a marked one otherwise. torch shows neither which
+    outputs those were nor their shapes: only their metadata, default-constructed (a 0-dim float32
+    CPU tensor), which a real 0-dim float32 CPU output also has."""
+    for k, (g, t) in enumerate(zip(grads, in_types)):
+        if g is None and t.shape == () and t.device.type == "cpu" and t.dtype in (torch.float32, torch.get_default_dtype()):
+            raise EagerOnly(
+                f"{info.name} gets no gradient for output {k}, which may be a non-tensor or non-differentiable "
+                "output: only eager's engine knows what its backward receives there (None or zeros of its shape)"
+            )
+
+
+__all__ = ["CaptureError", "EagerOnly", "IRError", "Request", "lower"]

@@ -15,7 +15,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags
 from ..capture import hooks, native_walk
-from ..capture.lower import Request, lower
+from ..capture.lower import EagerOnly, Request, lower
 from ..capture.native_walk import NATIVE, PYTHON
 from ..capture.walk import CPP, release_saved, tensor_meta, walk
 from ..degrade import report
@@ -301,7 +301,10 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
     if reason:
         return Entry(program=None, compiled=None, fallback_reason=reason)
     request = Request(list(root_edges), [TensorType.of(g) for g in grads], list(input_edges), accumulate)
-    program = lower(w, request)
+    try:
+        program = lower(w, request)
+    except EagerOnly as e:
+        return Entry(program=None, compiled=None, fallback_reason=str(e))
     if backend in FUSED_BACKENDS:  # fusion wants the steps of each composite backward kernel
         program = decompose_composites(program)
     program = optimize(program, stats_module.STATS.pass_seconds)

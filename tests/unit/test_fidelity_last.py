@@ -215,3 +215,62 @@ def test_sparse_and_dense_custom_gradients_sum_as_eager(order):
     assert actual.layout == expected.layout
     assert_close(actual.to_dense(), expected.to_dense())
     assert functional_calls() == 1
+
+
+# B: what a custom backward receives for outputs that got no gradient
+class _Mixed(torch.autograd.Function):
+    """Outputs: a tensor, a non-tensor, a non-differentiable tensor, another tensor."""
+
+    materialize_non_diff = True
+
+    @staticmethod
+    def forward(ctx, x):
+        marked = x.detach() * 2
+        ctx.mark_non_differentiable(marked)
+        ctx._materialize_non_diff_grads = _Mixed.materialize_non_diff
+        return x * 3, 7, marked, x.sin()
+
+    @staticmethod
+    def backward(ctx, g0, g1, g2, g3):
+        seen = [None if g is None else (tuple(g.shape), g.dtype, bool(g.abs().sum() == 0)) for g in (g0, g1, g2, g3)]
+        _Mixed.seen.append(seen)
+        return g0 * 3 + g3
+
+
+@pytest.mark.parametrize("materialize_non_diff", [True, False])
+@pytest.mark.parametrize("shape", [(), (4, 3)])
+def test_custom_backward_receives_what_eager_passes(materialize_non_diff, shape):
+    _Mixed.materialize_non_diff = materialize_non_diff
+
+    def run():
+        _Mixed.seen = []
+        x = torch.randn(shape, requires_grad=True)
+        out, _, _, _ = _Mixed.apply(x)
+        out.sum().backward()  # outputs 1-3 get no gradient
+        return _Mixed.seen, x.grad
+
+    (seen, gx), (eager_seen, ex) = both(run)
+    assert seen == eager_seen
+    assert_close(gx, ex)
+
+
+def test_undefined_gradient_of_a_real_output_is_materialized_functionally():
+    class TwoOut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2, x * 5
+
+        @staticmethod
+        def backward(ctx, g0, g1):
+            assert g1 is not None and bool((g1 == 0).all())  # materialized, as eager does
+            return g0 * 2 + g1 * 5
+
+    def run():
+        x = torch.randn(6, 2, dtype=torch.double, requires_grad=True)
+        a, _ = TwoOut.apply(x)
+        a.exp().sum().backward()
+        return x.grad
+
+    actual, expected = both(run)
+    assert_close(actual, expected)
+    assert functional_calls() == 1

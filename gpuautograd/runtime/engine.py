@@ -21,7 +21,7 @@ from ..capture.walk import CPP, release_saved, tensor_meta, walk
 from ..degrade import report
 from ..distributed import graph_task
 from ..fusion.partition import plan_fusion
-from ..ir.ops import get_op
+from ..ir.ops import UNDEFINED_ATTR, get_op
 from ..ir.program import Program, Value
 from ..ir.types import TensorType
 from ..ir.verifier import verify
@@ -182,7 +182,9 @@ def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: boo
     results = []
     adds = AddInPlace()
     with torch.no_grad():
-        for g, (kind, i, slot, owned) in zip(outs, entry.sinks):
+        for g, (kind, i, slot, owned, sources) in zip(outs, entry.sinks):
+            if sources and g is not None and _undefined(nodes, sources):
+                g = None  # made only of custom backwards' None results, carried as zeros: eager leaves it undefined
             if kind == "input":
                 results.append(g)
             elif g is None:
@@ -197,6 +199,11 @@ def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: boo
                 retain_grad(retained[(i, slot)], g)
         adds.run()
     return None if accumulate else results
+
+
+def _undefined(nodes, sources) -> bool:
+    """Whether every custom Function output (node, edge) in `sources` returned None this run."""
+    return all(k in getattr(nodes[i], UNDEFINED_ATTR, ()) for i, k in sources)
 
 
 RECAPTURE_LIMIT_PREFIX = "one graph structure was captured GPUAUTOGRAD_RECAPTURE_LIMIT="
@@ -320,7 +327,7 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
     else:
         compiled = compile_reference(program)
     owned = owned_outputs(program)
-    sinks = [(spec.kind, spec.index, spec.slot, own) for (_, spec), own in zip(program.outputs, owned)]
+    sinks = [(spec.kind, spec.index, spec.slot, own, spec.sources) for (_, spec), own in zip(program.outputs, owned)]
     opaque = sorted({spec.index for _, spec in program.inputs if spec.kind == "node"})
     functional = [i for i in program.executed if i not in set(opaque)]
     cpp_opaque = any(w.classes[i].kind == CPP for i in opaque)

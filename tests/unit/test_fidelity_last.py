@@ -274,3 +274,57 @@ def test_undefined_gradient_of_a_real_output_is_materialized_functionally():
     actual, expected = both(run)
     assert_close(actual, expected)
     assert functional_calls() == 1
+
+
+# B: None from a custom backward, through C++ nodes, stays None where nothing else adds to it
+class _MaybeNone(torch.autograd.Function):
+    give = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2 if _MaybeNone.give else None
+
+
+@pytest.mark.usefixtures("walker")
+@pytest.mark.parametrize("give", [False, True, "alternate"])
+def test_none_from_a_custom_backward_through_cpp_nodes(give):
+    def run():
+        out = []
+        for step in range(3):
+            _MaybeNone.give = (step % 2 == 1) if give == "alternate" else give
+            x = torch.randn(4, 3, dtype=torch.double, requires_grad=True)
+            y = torch.randn(4, 3, dtype=torch.double, requires_grad=True)
+            mid = (x.exp() * 3).sin()  # C++ nodes between the custom Function and the leaf x
+            mid.retain_grad()
+            loss = _MaybeNone.apply(mid).sum() + (y * x.detach()).sum()
+            loss.backward()
+            out.append((x.grad, mid.grad, y.grad))
+        return out
+
+    actual, expected = both(run)
+    for got, want in zip(actual, expected):
+        for a, e in zip(got, want):
+            assert (a is None) == (e is None)
+            if e is not None:
+                assert_close(a, e)
+    assert functional_calls() == 3
+
+
+@pytest.mark.usefixtures("walker")
+def test_none_from_a_custom_backward_meets_a_defined_gradient():
+    def run():
+        _MaybeNone.give = False
+        x = torch.randn(5, dtype=torch.double, requires_grad=True)
+        a = x.cos()
+        loss = _MaybeNone.apply(a * 2).sum() + (a * a).sum()  # a also gets a gradient of its own
+        loss.backward()
+        (gz,) = torch.autograd.grad(_MaybeNone.apply(x.exp()).sum(), [x], allow_unused=True)
+        return x.grad, gz
+
+    (gx, gz), (ex, ez) = both(run)
+    assert_close(gx, ex)
+    assert gz is None and ez is None

@@ -118,8 +118,10 @@ def _hit_in_phases(loss, clock, walker) -> dict:
     t3 = clock()
     adds = AddInPlace()
     with torch.no_grad():
-        for g, (kind, i, _slot, owned) in zip(outs, entry.sinks):
+        for g, (kind, i, _slot, owned, sources) in zip(outs, entry.sinks):
             assert kind == "leaf", "--phases times models whose gradients all go to leaves"
+            if sources and g is not None and engine._undefined(nodes, sources):
+                g = None
             if g is not None and not adds.take(nodes[i].variable, g):
                 accumulate_grad(nodes[i].variable, g, owned)
         adds.run()

@@ -149,8 +149,9 @@ def walk(root_nodes) -> Walk:
                     extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
                 except RuntimeError as e:
                     extra = _unreadable(saved, saved_start[-1], e)
-                if detached and (reason := detached_saved_reason(node, info)):
-                    w.hook_reason = w.hook_reason or reason
+                else:
+                    if detached and (reason := detached_saved_reason(node, info)):
+                        w.hook_reason = w.hook_reason or reason
         elif kind is ACCUMULATE:
             extra = _leaf_extra(w, node.variable, grad_dtypes)
         else:
@@ -218,7 +219,10 @@ def detached_saved_reason(node, info: NodeClass) -> str | None:
     SavedTensor.unpack() raises it for every saved output too; a saved output is told apart by
     its unpacked value, whose grad_fn is the node itself."""
     for name in info.raw_names:
-        raw, value = getattr(node, "_raw_saved_" + name), getattr(node, "_saved_" + name)
+        try:
+            raw, value = getattr(node, "_raw_saved_" + name), getattr(node, "_saved_" + name)
+        except RuntimeError:  # released by an earlier backward: eager raises its own error if it runs
+            continue
         many = isinstance(raw, (list, tuple))
         for sv, v in zip(raw if many else (raw,), value if many else (value,)):
             if sv is None or v is None:

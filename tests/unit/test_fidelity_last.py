@@ -328,3 +328,22 @@ def test_none_from_a_custom_backward_meets_a_defined_gradient():
     (gx, gz), (ex, ez) = both(run)
     assert_close(gx, ex)
     assert gz is None and ez is None
+
+
+@pytest.mark.usefixtures("walker")
+def test_sharded_grad_after_an_inplace_detach_was_seen():
+    # once a non-leaf was detached in place the walk checks saved inputs, and must still skip the
+    # nodes an earlier grad() released (grad() frees only what it ran)
+    (torch.randn(3, requires_grad=True) * 1).detach_()
+
+    def run():
+        leaves = [torch.randn(4, 3, dtype=torch.double, requires_grad=True) for _ in range(4)]
+        mids = [leaf.sin() * (k + 1) for k, leaf in enumerate(leaves)]
+        loss = sum(m.exp().sum() for m in mids)
+        grads = [g for part in (mids[:2], mids[2:]) for g in torch.autograd.grad(loss, part)]
+        torch.autograd.backward(mids, grads)
+        return [leaf.grad for leaf in leaves]
+
+    actual, expected = both(run)
+    for a, e in zip(actual, expected):
+        assert_close(a, e)

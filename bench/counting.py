@@ -10,6 +10,8 @@ CUDA the kernels themselves can also be counted with the profiler (`count_cuda_k
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import Counter
 from collections.abc import Callable
 
@@ -51,6 +53,21 @@ class AtenOpCounter(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def _observed_functional():
+    """gpuautograd runs eagerly while a dispatch mode or the profiler watches it, unless told to
+    run its program anyway: here the program's launches are what is counted."""
+    previous = os.environ.get("GPUAUTOGRAD_WHEN_OBSERVED")
+    os.environ["GPUAUTOGRAD_WHEN_OBSERVED"] = "functional"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["GPUAUTOGRAD_WHEN_OBSERVED"]
+        else:
+            os.environ["GPUAUTOGRAD_WHEN_OBSERVED"] = previous
+
+
 def count_launches(fn: Callable[[], object]) -> int:
     """Launches of torch ops while `fn` runs (views, detach and bare allocations excluded)."""
     return count_aten_ops(fn).launching
@@ -58,7 +75,7 @@ def count_launches(fn: Callable[[], object]) -> int:
 
 def count_aten_ops(fn: Callable[[], object]) -> AtenOpCounter:
     """Run `fn` once under the counter; `.launching` is the launch count, `.total` every op seen."""
-    with AtenOpCounter() as counter:
+    with _observed_functional(), AtenOpCounter() as counter:
         fn()
     return counter
 
@@ -68,7 +85,7 @@ def count_cuda_kernels(fn: Callable[[], object]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with _observed_functional(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     kernels = 0

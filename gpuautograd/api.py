@@ -18,7 +18,7 @@ import torch.autograd as _autograd
 from torch.autograd.graph import GradientEdge
 from torch.overrides import handle_torch_function, has_torch_function
 
-from . import distributed
+from . import distributed, flags
 from .capture import hooks, native_walk
 from .ir.ops import get_op
 from .ir.program import Program
@@ -75,6 +75,14 @@ def _check_roots(tensors) -> None:
 
 
 _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+_profiler_enabled = torch._C._autograd._profiler_enabled
+# A dispatch mode sees every op the backward runs, with the autograd node it runs in
+# (torch._C._current_autograd_node()); the profiler records each node's evaluate_function event
+# and sequence number. Only eager's engine runs node by node.
+_OBSERVED_REASON = (
+    "a TorchDispatchMode or the autograd profiler is active: it sees eager's ops and autograd nodes only "
+    "when eager's engine runs them (GPUAUTOGRAD_WHEN_OBSERVED=functional runs the program anyway)"
+)
 
 
 def _global_fallback_reason(create_graph: bool, grads=()) -> str | None:
@@ -90,6 +98,8 @@ def _global_fallback_reason(create_graph: bool, grads=()) -> str | None:
         return "a torch.func transform (vmap, grad, jvp) is active"
     if any(g is not None and _is_legacy_batched(g) for g in grads):  # gradcheck's batched-gradient check
         return "the incoming gradients are batched by torch._vmap_internals.vmap"
+    if (torch._C._len_torch_dispatch_stack() or _profiler_enabled()) and flags.when_observed() == "eager":
+        return _OBSERVED_REASON
     return distributed.global_fallback_reason()  # distributed: what rules out every multi-rank backward
 
 

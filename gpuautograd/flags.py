@@ -81,6 +81,17 @@ def warn_fallbacks() -> bool:
     return _choice("GPUAUTOGRAD_WARN_FALLBACKS", "0", ("0", "1")) == "1"
 
 
+WHEN_OBSERVED = ("eager", "functional")
+
+
+def when_observed() -> str:
+    """GPUAUTOGRAD_WHEN_OBSERVED: what a backward does while a TorchDispatchMode or the autograd
+    profiler watches it. "eager" (default) runs torch's engine, so they see eager's ops, the
+    autograd node each op runs in, and its per-node events; "functional" runs gpuautograd's program
+    anyway, to count or profile what it launches (bench/counting.py does)."""
+    return _choice("GPUAUTOGRAD_WHEN_OBSERVED", "eager", WHEN_OBSERVED)
+
+
 EXTERN_BINDINGS = ("copy", "table")
 
 

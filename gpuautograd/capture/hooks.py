@@ -29,6 +29,9 @@ on_eval_dropout: list = []
 # Whether any leaf's grad_dtype was ever set: until then every leaf's .grad takes the leaf's dtype
 # and the walk need not read it.
 grad_dtype_seen = False
+# Whether a non-leaf tensor was ever detached in place: eager's engine refuses a node whose saved
+# input was detached so, and only SavedTensor.unpack() shows it; from then on the walk looks.
+inplace_detach_seen = False
 
 
 def _track(t: torch.Tensor) -> None:
@@ -56,6 +59,7 @@ def install() -> None:
     _watch_eval_dropout()
     _watch_materialize_grads()
     _watch_grad_dtype()
+    _watch_inplace_detach()
     register_hook.__doc__ = original_register_hook.__doc__
     retain_grad.__doc__ = original_retain_grad.__doc__
     torch.Tensor.register_hook = register_hook
@@ -141,3 +145,20 @@ def _watch_grad_dtype() -> None:
         descriptor.__set__(self, value)
 
     torch.Tensor.grad_dtype = property(descriptor.__get__, set_grad_dtype, doc=descriptor.__doc__)
+
+
+def note_inplace_detach() -> None:
+    global inplace_detach_seen
+    inplace_detach_seen = True
+
+
+def _watch_inplace_detach() -> None:
+    original = torch.Tensor.detach_
+
+    def detach_(self):
+        if self.grad_fn is not None:
+            note_inplace_detach()
+        return original(self)
+
+    detach_.__doc__ = original.__doc__
+    torch.Tensor.detach_ = detach_

@@ -19,7 +19,7 @@ from ..ir.types import NodeType, TensorType
 from ..rules.registry import lookup
 from . import hooks
 from .nodeview import NodeView, as_signed
-from .walk import ACCUMULATE, BACKWARD_TWICE, CPP, Walk, read_saved, saved_key
+from .walk import ACCUMULATE, BACKWARD_TWICE, CPP, PYTHON, Walk, read_saved, saved_key
 
 
 @dataclass
@@ -34,6 +34,10 @@ class Request:
 
 class CaptureError(RuntimeError):
     pass
+
+
+class EagerOnly(Exception):
+    """Lowering found what only eager's engine does exactly: this graph runs eagerly, for this reason."""
 
 
 def _meta_type(meta) -> TensorType:
@@ -97,25 +101,31 @@ def lower(w: Walk, req: Request) -> Program:
                     fan_in[e] = fan_in.get(e, 0) + 1
 
     def sole_to_sink(e) -> bool:
-        return e is not None and fan_in.get(e) == 1 and (e in targets or e in retained)
+        # (and goes no further: a retained or grad()-input edge of a node that runs feeds that node)
+        return e is not None and fan_in.get(e) == 1 and (e in targets or e in retained) and not executes[e[0]]
 
     b = Builder()
     pending: dict[tuple[int, int], list[Value]] = {}
+    sources: dict[tuple[int, int], frozenset | None] = {}  # per pending gradient: see OutputSpec.sources
     for k, ((j, nr), t) in enumerate(zip(req.roots, req.root_types)):
         g = b.input(t, InputSpec("grad", k, f"grad_output{k}"))
         b.origin = "root"
         g = _validate(b, g, _meta_type(metas[j][nr]), f"root {k}")
         pending.setdefault((j, nr), []).append(g)
+        _add_source(sources, (j, nr), None)
 
     declined: list[str] = []
     sink_values: dict[tuple[int, int], Value | None] = {}
+    sink_sources: dict[tuple[int, int], frozenset | None] = {}
     for i in order:
         info = w.classes[i]
         b.origin = info.name
         grads = [_sum(b, pending.pop((i, s), None)) for s in range(len(metas[i]))]
+        node_sources = {s: sources.pop((i, s)) for s, g in enumerate(grads) if g is not None}
         for s, g in enumerate(grads):
             if (i, s) in targets or ((i, s) in retained and (executes[i] or info.kind == ACCUMULATE)):
                 sink_values[(i, s)] = g
+                sink_sources[(i, s)] = node_sources.get(s)
         if info.kind == ACCUMULATE or not executes[i] or all(g is None for g in grads):
             continue
         out_types = [None if e is None else _edge_type(w, metas, e) for e in edges[i]]
@@ -140,26 +150,48 @@ def lower(w: Walk, req: Request) -> Program:
         if rule is None or outs is None:
             none_ok = tuple(sole_to_sink(e) for e in edges[i])
             outs = _opaque(b, w, i, grads, [_meta_type(m) for m in metas[i]], out_types, needs, none_ok)
+        own = info.kind == PYTHON  # a custom backward's result is defined or not whatever it was given
+        merged = _merged(node_sources.values())
         for k, (g, e) in enumerate(zip(outs, edges[i])):
             if g is None or e is None or not needs[k]:
                 continue
             g = _validate(b, g, out_types[k], f"{info.name} output {k}")
             pending.setdefault(e, []).append(g)
+            _add_source(sources, e, frozenset({(i, k)}) if own else merged)
 
     for (i, s), g in sorted(sink_values.items()):
         if (i, s) in targets and not req.accumulate:
             continue  # grad()'s results are emitted in input order below
         if w.classes[i].kind == ACCUMULATE and (i, s) in targets:
-            b.output(g, OutputSpec("leaf", i, f"leaf{i}.grad"))
+            b.output(g, OutputSpec("leaf", i, f"leaf{i}.grad", sources=sink_sources[(i, s)]))
         if (i, s) in retained:
-            b.output(g, OutputSpec("retain", i, f"{w.classes[i].name}[{s}].grad", slot=s))
+            b.output(g, OutputSpec("retain", i, f"{w.classes[i].name}[{s}].grad", slot=s, sources=sink_sources[(i, s)]))
     if not req.accumulate:
         for k, e in enumerate(req.inputs):
             g = sink_values.get(e) if e is not None else None
-            b.output(g, OutputSpec("input", k, f"input{k}"))
+            b.output(g, OutputSpec("input", k, f"input{k}", sources=sink_sources.get(e)))
     b.program.executed = [i for i in order if executes[i]]
     b.program.declined = declined
     return b.program
+
+
+def _merged(node_sources) -> frozenset | None:
+    """The sources of what a node computes from its gradients: generated C++ nodes return an
+    undefined gradient exactly when every gradient they get is undefined."""
+    out = frozenset()
+    for src in node_sources:
+        if src is None:
+            return None
+        out |= src
+    return out
+
+
+def _add_source(sources: dict, e, src: frozenset | None) -> None:
+    if e not in sources:
+        sources[e] = src
+    else:
+        old = sources[e]
+        sources[e] = None if old is None or src is None else old | src
 
 
 def _saved_layouts(w: Walk, i: int) -> dict[str, bool]:
@@ -242,6 +274,7 @@ def _opaque(b, w, i, grads, in_types, out_types, needs, none_ok):
         args = [g for g in grads if g is not None]
     else:
         # A custom Function gets zeros for undefined gradients, as its materialize_grads does.
+        _check_materializable(info, grads, in_types)
         present = (True,) * len(grads)
         args = [g if g is not None else b.zeros(t) for g, t in zip(grads, in_types)]
     if info.kind != CPP:
@@ -254,4 +287,18 @@ def _opaque(b, w, i, grads, in_types, out_types, needs, none_ok):
     return b.emit("opaque", node_value, *args, present=present, out_types=types, python_positions=python_positions, none_ok=none_ok)
 
 
-__all__ = ["CaptureError", "IRError", "Request", "lower"]
+def _check_materializable(info, grads, in_types) -> None:
+    """Eager passes a custom backward None, not zeros, for an output that was not a differentiable
+    tensor (a non-tensor, or one marked non-differentiable while ctx._materialize_non_diff_grads is
+    off), and zeros of the output's own shape for a marked one otherwise. torch shows neither which
+    outputs those were nor their shapes: only their metadata, default-constructed (a 0-dim float32
+    CPU tensor), which a real 0-dim float32 CPU output also has."""
+    for k, (g, t) in enumerate(zip(grads, in_types)):
+        if g is None and t.shape == () and t.device.type == "cpu" and t.dtype in (torch.float32, torch.get_default_dtype()):
+            raise EagerOnly(
+                f"{info.name} gets no gradient for output {k}, which may be a non-tensor or non-differentiable "
+                "output: only eager's engine knows what its backward receives there (None or zeros of its shape)"
+            )
+
+
+__all__ = ["CaptureError", "EagerOnly", "IRError", "Request", "lower"]

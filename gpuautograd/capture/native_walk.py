@@ -11,7 +11,7 @@ from __future__ import annotations
 from .. import native
 from ..degrade import describe_error
 from . import hooks
-from .walk import CPP, Walk
+from .walk import ACCUMULATE_NAME, CPP, DETACHED_IN_PLACE, GRAD_DTYPE_ANY_REASON, Walk
 
 NATIVE, PYTHON = "native", "python"
 
@@ -47,6 +47,10 @@ class NativeWalk:
         self.nodes = _Nodes(nw)
         self._saved = None
         self.hook_reason = nw.fallback
+        # The native key holds no leaf's grad_dtype; read only once some grad_dtype was ever set.
+        self.grad_dtypes = _leaf_grad_dtypes(nw) if hooks.grad_dtype_seen else ()
+        if any(d is None for _, d in self.grad_dtypes):
+            self.hook_reason = self.hook_reason or GRAD_DTYPE_ANY_REASON
         self.retained = []
         for t in hooks.tracked_tensors():
             edge = nw.find(t) if t.retains_grad else None
@@ -72,6 +76,18 @@ class NativeWalk:
         self.native.release(list(indices))
 
 
+def _leaf_grad_dtypes(nw) -> tuple:
+    """(node index, grad_dtype) of each leaf whose grad_dtype is not its dtype."""
+    out = []
+    for i in range(len(nw)):
+        node = nw.node(i)
+        if node.name() == ACCUMULATE_NAME:
+            var = node.variable
+            if var.grad_dtype != var.dtype:
+                out.append((i, var.grad_dtype))
+    return tuple(out)
+
+
 def walk(roots, inputs) -> tuple[NativeWalk | None, str | None]:
     """The native walk of `roots`' graph, or (None, why) when it can't read this graph; the
     Python walk then runs."""
@@ -81,6 +97,8 @@ def walk(roots, inputs) -> tuple[NativeWalk | None, str | None]:
         # compiled_args refused a node: a saved value an earlier grad() freed (the Python walk
         # raises only if that node runs), or a node it can't visit (CopySlices with a view_fn).
         # The Python walk reads those graphs correctly.
+        if DETACHED_IN_PLACE in str(e):
+            hooks.note_inplace_detach()  # a saved input detached before the import: the Python walk looks now
         return None, f"the native walker could not read this graph ({describe_error(e)[:120]})"
     if nw.unsupported:
         return None, nw.unsupported
@@ -89,7 +107,7 @@ def walk(roots, inputs) -> tuple[NativeWalk | None, str | None]:
 
 def key_of(w: NativeWalk) -> tuple:
     """The graph part of the cache key: the native key bytes, then what Python adds to them."""
-    return ("native", w.native.key, tuple((j, nr) for j, nr, _ in w.retained))
+    return ("native", w.native.key, tuple((j, nr) for j, nr, _ in w.retained), w.grad_dtypes)
 
 
 def _raw_slots(pw: Walk) -> list:

@@ -111,6 +111,7 @@ def walk(root_nodes) -> Walk:
     known = _CLASSES
     grad_dtypes = hooks.grad_dtype_seen  # else every leaf's grad_dtype is its dtype
     saved_hooks = hooks.saved_hooks_seen  # else no saved value has an unpack hook
+    detached = hooks.inplace_detach_seen  # else no saved input was detached in place
     for n in root_nodes:
         if n not in index:
             index[n] = len(nodes)
@@ -152,6 +153,9 @@ def walk(root_nodes) -> Walk:
                     extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
                 except RuntimeError as e:
                     extra = _unreadable(saved, saved_start[-1], e)
+                else:
+                    if detached and (reason := detached_saved_reason(node, info)):
+                        w.hook_reason = w.hook_reason or reason
         elif kind is ACCUMULATE:
             extra = _leaf_extra(w, node.variable, grad_dtypes)
         else:
@@ -180,6 +184,9 @@ def _unreadable(saved: list, start: int, error: RuntimeError) -> tuple:
     return ("unreadable", str(error)[:80])
 
 
+GRAD_DTYPE_ANY_REASON = "a leaf's grad_dtype is None (its .grad keeps the incoming dtype)"
+
+
 def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool) -> tuple:
     """The key of an AccumulateGrad node; notes in `w.hook_reason` what only eager can honour."""
     if var._backward_hooks:
@@ -193,7 +200,7 @@ def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool) -> tuple:
         return ("no strides", var.layout, var.is_nested)
     if grad_dtypes and var.grad_dtype != var.dtype:
         if var.grad_dtype is None:  # .grad keeps whatever dtype arrives, known only at run time
-            w.hook_reason = w.hook_reason or "a leaf's grad_dtype is None (its .grad keeps the incoming dtype)"
+            w.hook_reason = w.hook_reason or GRAD_DTYPE_ANY_REASON
         extra = (*extra, var.grad_dtype)
     return extra
 
@@ -224,6 +231,31 @@ def _note_hooked(w: Walk, node) -> bool:
 HOOKED = ("unpack hooks",)
 HOOKED_RELEASED = ("unpack hooks", "released")
 RELEASED_MARK = "_gpuautograd_released"
+
+
+DETACHED_IN_PLACE = "detached in-place"  # in torch's error for a saved tensor detached with .detach_()
+
+
+def detached_saved_reason(node, info: NodeClass) -> str | None:
+    """Why eager's engine would refuse to run `node`: a saved input was detached in place after
+    it was saved. Reading _saved_<name> does not raise that (it unpacks for the node), while
+    SavedTensor.unpack() raises it for every saved output too; a saved output is told apart by
+    its unpacked value, whose grad_fn is the node itself."""
+    for name in info.raw_names:
+        try:
+            raw, value = getattr(node, "_raw_saved_" + name), getattr(node, "_saved_" + name)
+        except RuntimeError:  # released by an earlier backward: eager raises its own error if it runs
+            continue
+        many = isinstance(raw, (list, tuple))
+        for sv, v in zip(raw if many else (raw,), value if many else (value,)):
+            if sv is None or v is None:
+                continue
+            try:
+                sv.unpack()
+            except RuntimeError as e:
+                if DETACHED_IN_PLACE in str(e) and v.grad_fn is not node:
+                    return f"a saved input of {info.name} was detached in place (.detach_()): eager raises torch's error if it runs"
+    return None
 
 
 def read_saved(node, info: NodeClass) -> dict:

@@ -157,8 +157,16 @@ def _polygamma(x, *, n):
     return torch.polygamma(n, x)
 
 
+def _add(a, b):
+    # A custom backward may return a sparse gradient, which eager's engine sums with a dense one
+    # as dense + sparse (torch has no sparse + dense); both orders give the same values.
+    if a.layout is not torch.strided and b.layout is torch.strided:
+        return b + a
+    return a + b
+
+
 _BINARY = {
-    "add": lambda a, b: a + b,
+    "add": _add,
     "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b,
     "pow": lambda a, b: a**b,
@@ -374,6 +382,11 @@ def _opaque_infer(ts, attrs):
     return [None if t is None else TensorType(*t) for t in attrs["out_types"]]
 
 
+# Set on a custom Function's node at each call: the edges its backward returned None for, that
+# the program carried on as zeros; the engine leaves a gradient made only of those undefined.
+UNDEFINED_ATTR = "_gpuautograd_undefined"
+
+
 @register_op("opaque", OPAQUE, _opaque_infer, effect=True)
 def _opaque(node, *grads, present, out_types, python_positions, none_ok):
     """Run `node` eagerly. `present[k]` says whether incoming gradient k is given (else None, an
@@ -381,7 +394,8 @@ def _opaque(node, *grads, present, out_types, python_positions, none_ok):
     forward argument) onto its edges; it is None for C++ nodes, which return one per edge. Results
     are validated as torch's engine does (sum to the expected shape, cast). A missing gradient
     stays None where `none_ok[k]` (it is the only gradient of a sink, so "no gradient" can reach
-    the sink as in eager); elsewhere it becomes zeros, which the program's arithmetic needs."""
+    the sink as in eager); elsewhere it becomes zeros, which the program's arithmetic needs, and a
+    custom Function's node notes it (UNDEFINED_ATTR) for the sinks it alone reaches."""
     it = iter(grads)
     grads = [next(it) if p else None for p in present]
     with torch.no_grad():
@@ -393,13 +407,14 @@ def _opaque(node, *grads, present, out_types, python_positions, none_ok):
             raw = node.apply(*grads)
             raw = raw if isinstance(raw, tuple) else (raw,)
             results = [raw[i] if i is not None and i < len(raw) else None for i in python_positions]
-        out = []
+        out, undefined = [], []
         for k, (r, t) in enumerate(zip(results, out_types)):
             if t is None or (r is None and none_ok[k]):
                 out.append(None)
                 continue
             shape, dtype, device = t
             if r is None:
+                undefined.append(k)
                 r = torch.zeros(shape, dtype=dtype, device=device)
             if tuple(r.shape) != tuple(shape):
                 if not _expandable_to(tuple(shape), tuple(r.shape)):
@@ -409,6 +424,8 @@ def _opaque(node, *grads, present, out_types, python_positions, none_ok):
                     )
                 r = r.sum_to_size(shape)
             out.append(r.to(dtype=dtype, device=device))
+        if python_positions is not None:
+            setattr(node, UNDEFINED_ATTR, tuple(undefined))
     return tuple(out)
 
 

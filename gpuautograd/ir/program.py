@@ -83,6 +83,9 @@ class OutputSpec:
     index: int
     label: str = ""
     slot: int = 0  # for "retain": which output of node `index` the retained tensor is
+    # The custom Function outputs (node index, edge) it comes from, when it comes from nothing else:
+    # undefined (None, as in eager) where each of those backwards returned None. None: always defined.
+    sources: frozenset | None = None
 
 
 @dataclass

@@ -31,6 +31,7 @@ class Entry:
     native_arguments: Any = None  # arg_plan as the extension's ArgumentPlan (native walks only)
     leaf_delivery: Any = None  # the native extension's LeafDelivery for the leaf sinks (None: Python's)
     other_sinks: bool = True  # sinks other than leaves (retained grads, grad()'s results)
+    maybe_undefined: list = field(default_factory=list)  # (output, sources) a custom backward's None may leave undefined
 
 
 STRUCTURES_KEPT = 1024  # graph structures remembered for miss diagnosis and recapture counts

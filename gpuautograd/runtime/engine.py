@@ -15,13 +15,13 @@ from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags, native
 from ..capture import hooks, native_walk
-from ..capture.lower import Request, lower
+from ..capture.lower import EagerOnly, Request, lower
 from ..capture.native_walk import NATIVE, PYTHON
 from ..capture.walk import CPP, mark_hooked_released, release_saved, tensor_meta, walk
 from ..degrade import report
 from ..distributed import graph_task
 from ..fusion.partition import plan_fusion
-from ..ir.ops import get_op
+from ..ir.ops import UNDEFINED_ATTR, get_op
 from ..ir.program import Program, Value
 from ..ir.types import TensorType
 from ..ir.verifier import verify
@@ -194,6 +194,9 @@ def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: boo
 def _deliver(w, entry: Entry, outs: list, inputs, accumulate: bool, input_edges):
     """Hand the program's results to their sinks: leaves' .grad, retained grads, grad()'s results."""
     if entry.leaf_delivery is not None:  # AccumulateGrad's own code, in C++ (the native extension)
+        for k, sources in entry.maybe_undefined:
+            if outs[k] is not None and _undefined(w.nodes, sources):
+                outs[k] = None  # as in the loop below: eager leaves this gradient undefined
         if isinstance(w, native_walk.NativeWalk):
             w.native.deliver(entry.leaf_delivery, outs)
         elif (ext := native.load()) is not None:
@@ -209,7 +212,9 @@ def _deliver(w, entry: Entry, outs: list, inputs, accumulate: bool, input_edges)
     adds = AddInPlace()
     nodes = w.nodes
     with torch.no_grad():
-        for g, (kind, i, slot, owned) in zip(outs, entry.sinks):
+        for g, (kind, i, slot, owned, sources) in zip(outs, entry.sinks):
+            if sources and g is not None and _undefined(nodes, sources):
+                g = None  # made only of custom backwards' None results, carried as zeros: eager leaves it undefined
             if kind == "input":
                 results.append(g)
             elif g is None:
@@ -224,6 +229,11 @@ def _deliver(w, entry: Entry, outs: list, inputs, accumulate: bool, input_edges)
                 retain_grad(retained[(i, slot)], g)
         adds.run()
     return None if accumulate else results
+
+
+def _undefined(nodes, sources) -> bool:
+    """Whether every custom Function output (node, edge) in `sources` returned None this run."""
+    return all(k in getattr(nodes[i], UNDEFINED_ATTR, ()) for i, k in sources)
 
 
 RECAPTURE_LIMIT_PREFIX = "one graph structure was captured GPUAUTOGRAD_RECAPTURE_LIMIT="
@@ -329,7 +339,10 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
     if reason:
         return Entry(program=None, compiled=None, fallback_reason=reason)
     request = Request(list(root_edges), [TensorType.of(g) for g in grads], list(input_edges), accumulate)
-    program = lower(w, request)
+    try:
+        program = lower(w, request)
+    except EagerOnly as e:
+        return Entry(program=None, compiled=None, fallback_reason=str(e))
     if backend in FUSED_BACKENDS:  # fusion wants the steps of each composite backward kernel
         program = decompose_composites(program)
     program = optimize(program, stats_module.STATS.pass_seconds)
@@ -345,7 +358,7 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
     else:
         compiled = compile_reference(program)
     owned, opaque_results = owned_outputs(program)
-    sinks = [(spec.kind, spec.index, spec.slot, own) for (_, spec), own in zip(program.outputs, owned)]
+    sinks = [(spec.kind, spec.index, spec.slot, own, spec.sources) for (_, spec), own in zip(program.outputs, owned)]
     opaque = sorted({spec.index for _, spec in program.inputs if spec.kind == "node"})
     functional = [i for i in program.executed if i not in set(opaque)]
     cpp_opaque = any(w.classes[i].kind == CPP for i in opaque)
@@ -362,9 +375,11 @@ def _plan_leaf_delivery(entry: Entry, opaque_results: list[bool]) -> None:
     ext = native.load()
     if ext is None:
         return
-    leaves = [(k, i, not (own or opq)) for k, ((kind, i, _, own), opq) in enumerate(zip(entry.sinks, opaque_results)) if kind == "leaf"]
+    sinks = zip(entry.sinks, opaque_results)
+    leaves = [(k, i, not (own or opq)) for k, ((kind, i, _, own, _), opq) in enumerate(sinks) if kind == "leaf"]
     entry.leaf_delivery = ext.LeafDelivery([k for k, _, _ in leaves], [i for _, i, _ in leaves], [c for _, _, c in leaves])
     entry.other_sinks = len(leaves) != len(entry.sinks)
+    entry.maybe_undefined = [(k, sink[4]) for k, sink in enumerate(entry.sinks) if sink[4]]
 
 
 def owned_outputs(program: Program) -> tuple[list[bool], list[bool]]:

@@ -74,7 +74,10 @@ def compile_reference(program: Program) -> CompiledProgram:
         if dead:
             lines.append(f"    del {', '.join(dead)}")
 
+    maybe_sparse: set[int] = set()  # values that come straight from an opaque node (see _add)
     for k, instr in enumerate(program.instrs):
+        if instr.op == "opaque" or (instr.op == "cast" and id(instr.inputs[0]) in maybe_sparse):
+            maybe_sparse.update(id(o) for o in instr.outputs if o is not None)
         args = []
         for x in instr.inputs:
             if isinstance(x, Value):
@@ -88,7 +91,9 @@ def compile_reference(program: Program) -> CompiledProgram:
         outs = ["_" if o is None else local_name(o) for o in instr.outputs]
         many = len(outs) > 1 or instr.op == "opaque"
         lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
-        expression = _inline(instr.op, args, instr.attrs)
+        # A custom backward may return a sparse gradient: its sums take ops.py's layout-aware add.
+        sparse_add = instr.op == "add" and any(id(x) in maybe_sparse for x in instr.inputs)
+        expression = None if sparse_add else _inline(instr.op, args, instr.attrs)
         if expression is None:
             fn_name = f"{instr.op}_{k}"
             impl = get_op(instr.op).impl

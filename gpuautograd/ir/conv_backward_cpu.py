@@ -19,8 +19,9 @@ import torch
 
 aten = torch.ops.aten
 
-# measured with bench-style loops on a 2-core x86 CPU (AVX-512), 1 and 2 threads: the im2col kernel
-# was faster up to ~2.3 million multiply-adds at batch <= 8, slower at batch 16 and up
+# measured in loops on a 2-core x86 CPU (AVX-512), 1 and 2 threads: at batch <= 8 the im2col kernel
+# was 2x to 3.5x faster up to ~1.2 million multiply-adds and about even at ~2.3 million; it was
+# slower at batch 16 and up and from ~9 million multiply-adds on
 IM2COL_MAX_MACS = 1 << 20
 IM2COL_MAX_BATCH = 8
 

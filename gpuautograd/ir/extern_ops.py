@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .conv_backward_cpu import im2col_backward, takes_im2col
 from .ops import EXTERN, register_op
 
 aten = torch.ops.aten
@@ -43,6 +44,8 @@ def _optional(xs) -> tuple[list, tuple[bool, ...]]:
 
 @register_op("convolution_backward", EXTERN)
 def _convolution_backward(grad, input, weight, *, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):
+    if takes_im2col(grad, input, weight, stride, padding, dilation, transposed, groups):
+        return im2col_backward(grad, input, weight, stride, padding, output_mask)
     return aten.convolution_backward(
         grad, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, list(output_mask)
     )

@@ -22,7 +22,7 @@ class Entry:
     program: Program | None
     compiled: Any  # a callable taking the argument list
     arg_plan: list[tuple[str, int]] = field(default_factory=list)
-    sinks: list[tuple[str, int, int, bool]] = field(default_factory=list)  # kind, index, slot, owned
+    sinks: list[tuple] = field(default_factory=list)  # kind, index, slot, owned, sources (custom outputs it comes from)
     opaque_nodes: list[int] = field(default_factory=list)  # released after the run
     functional_nodes: list[int] = field(default_factory=list)  # released before the run
     fallback_reason: str | None = None  # set when this graph must run eagerly

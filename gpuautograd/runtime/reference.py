@@ -14,13 +14,27 @@ import torch
 
 from ..ir.ops import get_op
 from ..ir.program import Program, Value
+from .reference_folds import plan_folds
 
 # Ops written as one Python expression, not a call of their reference implementation: those are
 # most of a program's lines (arithmetic, views, sums), and the call of a partial and a wrapper
 # function costs about as much as the torch op on small tensors. Each template gives exactly the
-# reference implementation's result (ir/ops.py). `tensor_...` globals are torch functions bound once.
+# reference implementation's result (ir/ops.py). `torch_...` globals are torch functions bound once;
+# `torch_linear` only serves the folds of reference_folds.py.
 _BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}"}
-_GLOBALS = {"torch": torch, "torch_sum": torch.sum, "torch_mm": torch.mm, "torch_bmm": torch.bmm}
+_GLOBALS = {
+    "torch": torch,
+    "torch_sum": torch.sum,
+    "torch_mm": torch.mm,
+    "torch_bmm": torch.bmm,
+    "torch_linear": torch.nn.functional.linear,
+}
+
+
+def _ints(values) -> str:
+    """Sizes or dims as call arguments: `x.reshape(2, 3)` parses faster than `x.reshape((2, 3))`."""
+    values = tuple(values)
+    return ", ".join(map(repr, values)) if values else "()"
 
 
 def _inline(op: str, args: list[str], attrs: dict) -> str | None:
@@ -30,9 +44,9 @@ def _inline(op: str, args: list[str], attrs: dict) -> str | None:
     if op == "neg":
         return f"-{args[0]}"
     if op in ("reshape", "expand"):
-        return f"{args[0]}.{op}({tuple(attrs['shape'])!r})"
+        return f"{args[0]}.{op}({_ints(attrs['shape'])})"
     if op == "permute":
-        return f"{args[0]}.permute({tuple(attrs['dims'])!r})"
+        return f"{args[0]}.permute({_ints(attrs['dims'])})"
     if op == "sum" and attrs["dims"] and attrs.get("dtype") is None:
         return f"torch_sum({args[0]}, {tuple(attrs['dims'])!r}, {attrs['keepdim']!r})"
     if op == "cast" and isinstance(attrs["dtype"], torch.dtype):
@@ -56,11 +70,38 @@ def local_name(v: Value) -> str:
     return v.name[1:] if v.prefix else "v" + str(v.id)
 
 
+def _operand_source(x, env: dict) -> str:
+    if isinstance(x, Value):
+        return local_name(x)
+    if isinstance(x, float) and not math.isfinite(x):
+        const = f"const_{len(env)}"
+        env[const] = x
+        return const
+    return repr(x)
+
+
+def _expression(k: int, instr, args: list[str], env: dict, fold, inline: bool = True) -> str:
+    """The right-hand side of instruction `k`: a fold, an inline expression or a bound call
+    (`inline` False: always the op's own implementation)."""
+    if fold is not None:
+        return fold.template.format(*args)
+    expression = _inline(instr.op, args, instr.attrs) if inline else None
+    if expression is None:
+        fn_name = f"{instr.op}_{k}"
+        impl = get_op(instr.op).impl
+        env[fn_name] = functools.partial(impl, **instr.attrs) if instr.attrs else impl
+        expression = f"{fn_name}({', '.join(args)})"
+    return expression
+
+
 def compile_reference(program: Program) -> CompiledProgram:
+    folds = plan_folds(program)
+    absorbed = {f.absorbed: k for k, f in folds.items()}
+    operands = [folds[k].operands if k in folds else instr.inputs for k, instr in enumerate(program.instrs)]
     last_use: dict[int, int] = {}
-    for k, instr in enumerate(program.instrs):
-        for x in instr.inputs:
-            if isinstance(x, Value):
+    for k, xs in enumerate(operands):
+        for x in xs:
+            if isinstance(x, Value) and k not in absorbed:
                 last_use[id(x)] = k
     keep = {id(v) for v, _ in program.outputs if v is not None}
 
@@ -78,31 +119,20 @@ def compile_reference(program: Program) -> CompiledProgram:
     for k, instr in enumerate(program.instrs):
         if instr.op == "opaque" or (instr.op == "cast" and id(instr.inputs[0]) in maybe_sparse):
             maybe_sparse.update(id(o) for o in instr.outputs if o is not None)
-        args = []
-        for x in instr.inputs:
-            if isinstance(x, Value):
-                args.append(local_name(x))
-            elif isinstance(x, float) and not math.isfinite(x):
-                const = f"const_{len(env)}"
-                env[const] = x
-                args.append(const)
-            else:
-                args.append(repr(x))
+        if k in absorbed:
+            continue
+        fold = folds.get(k)
+        args = [_operand_source(x, env) for x in operands[k]]
         outs = ["_" if o is None else local_name(o) for o in instr.outputs]
         many = len(outs) > 1 or instr.op == "opaque"
         lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
+        note = f"  # {program.instrs[fold.absorbed].op}, {instr.op}" if fold is not None else ""
         # A custom backward may return a sparse gradient: its sums take ops.py's layout-aware add.
         sparse_add = instr.op == "add" and any(id(x) in maybe_sparse for x in instr.inputs)
-        expression = None if sparse_add else _inline(instr.op, args, instr.attrs)
-        if expression is None:
-            fn_name = f"{instr.op}_{k}"
-            impl = get_op(instr.op).impl
-            env[fn_name] = functools.partial(impl, **instr.attrs) if instr.attrs else impl
-            expression = f"{fn_name}({', '.join(args)})"
-        lines.append(f"    {lhs} = {expression}")
+        lines.append(f"    {lhs} = {_expression(k, instr, args, env, fold, inline=not sparse_add)}{note}")
         dead = [
             local_name(x)
-            for x in {id(x): x for x in instr.inputs if isinstance(x, Value)}.values()
+            for x in {id(x): x for x in operands[k] if isinstance(x, Value)}.values()
             if last_use[id(x)] == k and id(x) not in keep
         ]
         dead += [local_name(o) for o in instr.outputs if o is not None and id(o) not in last_use and id(o) not in keep]

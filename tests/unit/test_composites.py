@@ -60,6 +60,8 @@ def _mse(reduction):
 # (case id, composite op, graph, inputs for a dtype)
 CASES = [
     ("gelu", "gelu_backward", *_unary(F.gelu)),
+    ("gelu_3d", "gelu_backward", *_unary(F.gelu, (3, 7, 13))),
+    ("gelu_column", "gelu_backward", *_unary(F.gelu, (13, 1))),
     ("gelu_tanh", "gelu_backward", *_unary(lambda x: F.gelu(x, approximate="tanh"))),
     ("silu", "silu_backward", *_unary(F.silu)),
     ("sigmoid", "sigmoid_backward", *_unary(torch.sigmoid)),
@@ -119,6 +121,16 @@ def test_composite_and_decomposition_match_torch_autograd(case, dtype):
         for k, (a, e) in enumerate(zip(got, expected)):
             assert a.dtype == e.dtype and a.shape == e.shape, f"{how}: input {k} {a.dtype}{list(a.shape)} vs {e.dtype}{list(e.shape)}"
             assert_close(a, e, msg=f"{how} {op}: gradient of input {k}\n{p}")
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7), (7, 13), (5, 1), (9,)])
+def test_gelu_backward_has_atens_layout(shape):
+    # float32 CPU inputs reach aten's own kernel through transposed views (not oneDNN's call)
+    g, x = torch.randn(shape), torch.randn(shape)
+    got = get_op("gelu_backward").impl(g, x, approximate="none")
+    expected = torch.ops.aten.gelu_backward(g, x)
+    assert got.stride() == expected.stride() and got.dtype == expected.dtype
+    assert_close(got, expected)
 
 
 def test_decomposition_renumbers_values_in_order():

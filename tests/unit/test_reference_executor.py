@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpuautograd.ir.builder import Builder
@@ -50,3 +51,48 @@ def test_expressions_equal_the_reference_implementations():
     for a, e in zip(got, _one_op_at_a_time(program, args)):
         assert a.dtype == e.dtype and a.shape == e.shape and a.stride() == e.stride()
         torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
+
+
+def _fold_program(dtype):
+    """A linear layer's backward as the rules write it, plus near misses the folds must leave alone."""
+    b = Builder()
+    cpu = torch.device("cpu")
+    g = b.input(TensorType((7, 5), dtype, cpu), InputSpec("saved", 0))
+    w_t = b.input(TensorType((13, 5), dtype, cpu), InputSpec("saved", 1))  # a saved weight.t()
+    x = b.input(TensorType((7, 13), dtype, cpu), InputSpec("saved", 2))
+    y = b.input(TensorType((2, 7, 5), dtype, cpu), InputSpec("saved", 3))
+    twice = b.permute(w_t, (1, 0))  # used twice: stays a view
+    outs = [
+        b.mm(g, b.permute(w_t, (1, 0))),  # -> linear
+        b.mm(b.permute(g, (1, 0)), x),
+        b.reshape(b.sum(g, 0, keepdim=True), (5,)),  # -> sum without keepdim
+        b.reshape(b.sum(y, (0, 1), keepdim=True), (5,)),
+        b.reshape(b.sum(y, (0, 2), keepdim=True), (7, 1)),  # keeps a 1: not the dropped shape
+        b.mm(g, twice),
+        b.add(twice, 1.0),
+    ]
+    kept = b.sum(g, 1, keepdim=True)  # an output itself: not folded into its reshape
+    outs += [kept, b.reshape(kept, (7,))]
+    for k, v in enumerate(outs):
+        b.output(v, OutputSpec("input", k))
+    return b.program
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_folded_views_equal_the_ops_they_replace(dtype):
+    program = _fold_program(dtype)
+    compiled = compile_reference(program)
+    assert compiled.source.count("torch_linear(") == 1 and compiled.source.count(", False)  # sum, reshape") == 2
+    assert compiled.source.count(".permute(1, 0)") == 2  # the lhs transpose and the one used twice
+    # odd sizes, non-contiguous operands (the weight arrives as a transposed view, as saved)
+    g = torch.randn(5, 7, dtype=torch.float64).to(dtype).t()
+    args = [
+        g,
+        torch.randn(5, 13, dtype=torch.float64).to(dtype).t(),
+        torch.randn(7, 13).to(dtype),
+        torch.randn(2, 5, 7).to(dtype).transpose(1, 2),
+    ]
+    got = compiled(list(args))
+    for a, e in zip(got, _one_op_at_a_time(program, args)):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        torch.testing.assert_close(a, e, rtol=0, atol=0)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import native
 from ..capture.lower import _topological_order
 from ..capture.walk import ACCUMULATE, PYTHON
-from .. import native
 from . import detect, registry
 
 _python_tags: dict[type, str | None] = {}  # custom Function node class -> detect.python_node_tag

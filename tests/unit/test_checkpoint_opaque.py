@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 import gpuautograd
 from bench.models import CHECKPOINTED
 from tests.helpers import assert_close, rand
+from tests.unit.test_fidelity import _Square
 
 pytestmark = pytest.mark.usefixtures("walker")  # every case with both walkers (tests/conftest.py)
 
@@ -190,18 +191,6 @@ def test_a_second_backward_through_a_checkpoint_raises_as_in_eager():
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             backward(loss)
     assert len(calls) == 4  # each: forward, one recomputation, and none for the refused backward
-
-
-class _Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
 
 
 def test_a_custom_function_under_saved_tensor_hooks_unpacks_as_in_eager():

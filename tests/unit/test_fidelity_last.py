@@ -1,30 +1,13 @@
 """Drop-in fidelity, the last cases of issue 12: observers of the backward (dispatch modes, the
 profiler), a leaf's grad_dtype changed between backwards, and more, each against eager torch."""
 
-import warnings
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpuautograd
 from tests.helpers import assert_close
-
-
-def both(fn):
-    """fn() under plain torch and under gpuautograd.enable(), each on fresh inputs from the same seed."""
-    torch.manual_seed(1)
-    expected = fn()
-    torch.manual_seed(1)
-    with gpuautograd.enable(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        actual = fn()
-    return actual, expected
-
-
-def functional_calls() -> int:
-    s = gpuautograd.stats()
-    return s["captures"] + s["cache_hits"]
+from tests.unit.test_fidelity import both, functional_calls
 
 
 # Observers: a dispatch mode sees eager's ops and the node each runs in; the profiler, its events
@@ -202,10 +185,18 @@ class _GivenGradient(torch.autograd.Function):
 def test_sparse_and_dense_custom_gradients_sum_as_eager(order):
     def run():
         size = (5, 3, 2)
-        sparse_a = torch.sparse_coo_tensor(torch.tensor([[0, 3, 4], [0, 2, 1]]), torch.randn(3, 2, dtype=torch.double), size, check_invariants=True)
-        sparse_b = torch.sparse_coo_tensor(torch.tensor([[1, 3], [0, 2]]), torch.randn(2, 2, dtype=torch.double), size, check_invariants=True)
+        sparse_a = torch.sparse_coo_tensor(
+            torch.tensor([[0, 3, 4], [0, 2, 1]]), torch.randn(3, 2, dtype=torch.double), size, check_invariants=True
+        )
+        sparse_b = torch.sparse_coo_tensor(
+            torch.tensor([[1, 3], [0, 2]]), torch.randn(2, 2, dtype=torch.double), size, check_invariants=True
+        )
         dense = torch.randn(size, dtype=torch.double)
-        grads = {"sparse_first": [sparse_a, dense, sparse_b], "dense_first": [dense, sparse_a, sparse_b], "sparse_only": [sparse_a, sparse_b]}[order]
+        grads = {
+            "sparse_first": [sparse_a, dense, sparse_b],
+            "dense_first": [dense, sparse_a, sparse_b],
+            "sparse_only": [sparse_a, sparse_b],
+        }[order]
         x = torch.randn(size, dtype=torch.double, requires_grad=True)
         total = sum(_GivenGradient.apply(x, g) for g in grads)
         total.sum().backward()

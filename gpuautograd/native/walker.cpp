@@ -378,12 +378,6 @@ class NativeWalk {
     return py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(nodes_.at(i)));
   }
 
-  at::Tensor leaf_variable(int64_t i) const {
-    auto* acc = dynamic_cast<AccumulateGrad*>(nodes_.at(i).get());
-    TORCH_CHECK(acc, "node ", i, " (", nodes_.at(i)->name(), ") is not an AccumulateGrad node");
-    return acc->variable;
-  }
-
   // The program's arguments, built straight from the collected tensors; the walk then lets go of
   // them, so the list holds the only references this walk had (releasing frees as in eager).
   py::list arguments(const ArgumentPlan& plan, py::list grads) {
@@ -677,7 +671,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &NativeWalk::size)
       .def("find", &NativeWalk::find)
       .def("node", &NativeWalk::node)
-      .def("leaf_variable", &NativeWalk::leaf_variable)
       .def("saved_index", &NativeWalk::saved_index)
       .def("release", &NativeWalk::release)
       .def("arguments", &NativeWalk::arguments, "The captured program's argument list (the walk lets go of its tensors).")

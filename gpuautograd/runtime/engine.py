@@ -193,16 +193,20 @@ def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: boo
 
 def _deliver(w, entry: Entry, outs: list, inputs, accumulate: bool, input_edges):
     """Hand the program's results to their sinks: leaves' .grad, retained grads, grad()'s results."""
-    if entry.leaf_delivery is not None:  # AccumulateGrad's own code, in C++ (the native extension)
-        for k, sources in entry.maybe_undefined:
-            if outs[k] is not None and _undefined(w.nodes, sources):
-                outs[k] = None  # as in the loop below: eager leaves this gradient undefined
+    for k, sources in entry.maybe_undefined:
+        if outs[k] is not None and _undefined(w.nodes, sources):
+            outs[k] = None  # made only of custom backwards' None results, carried as zeros: eager leaves it undefined
+    delivered = False  # the leaves, through AccumulateGrad's own code in C++ (the native extension)
+    if entry.leaf_delivery is not None:
         if isinstance(w, native_walk.NativeWalk):
             w.native.deliver(entry.leaf_delivery, outs)
-        elif (ext := native.load()) is not None:
+            delivered = True
+        elif (ext := native.load()) is not None:  # None: turned off since the capture
             ext.deliver(entry.leaf_delivery, outs, w.nodes)
-        if not entry.other_sinks and not any(t is not None for t in outs):
-            return None  # (a leaf left in `outs`: the extension was turned off since the capture)
+            delivered = True
+    if delivered and not entry.other_sinks:
+        return None
+    # What is left in `outs`: retained grads, grad()'s results, and leaves without the extension.
     retained = {(j, nr): t for j, nr, t in w.retained}
     if accumulate:
         for edge, t in zip(input_edges, inputs or ()):
@@ -212,9 +216,7 @@ def _deliver(w, entry: Entry, outs: list, inputs, accumulate: bool, input_edges)
     adds = AddInPlace()
     nodes = w.nodes
     with torch.no_grad():
-        for g, (kind, i, slot, owned, sources) in zip(outs, entry.sinks):
-            if sources and g is not None and _undefined(nodes, sources):
-                g = None  # made only of custom backwards' None results, carried as zeros: eager leaves it undefined
+        for g, (kind, i, slot, owned, _) in zip(outs, entry.sinks):
             if kind == "input":
                 results.append(g)
             elif g is None:
@@ -363,6 +365,7 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
     functional = [i for i in program.executed if i not in set(opaque)]
     cpp_opaque = any(w.classes[i].kind == CPP for i in opaque)
     entry = Entry(program, compiled, arg_plan, sinks, opaque, functional, cpp_opaque=cpp_opaque)
+    entry.maybe_undefined = [(k, sink[4]) for k, sink in enumerate(sinks) if sink[4]]
     _plan_leaf_delivery(entry, opaque_results)
     return entry
 
@@ -379,7 +382,6 @@ def _plan_leaf_delivery(entry: Entry, opaque_results: list[bool]) -> None:
     leaves = [(k, i, not (own or opq)) for k, ((kind, i, _, own, _), opq) in enumerate(sinks) if kind == "leaf"]
     entry.leaf_delivery = ext.LeafDelivery([k for k, _, _ in leaves], [i for _, i, _ in leaves], [c for _, _, c in leaves])
     entry.other_sinks = len(leaves) != len(entry.sinks)
-    entry.maybe_undefined = [(k, sink[4]) for k, sink in enumerate(entry.sinks) if sink[4]]
 
 
 def owned_outputs(program: Program) -> tuple[list[bool], list[bool]]:

@@ -78,6 +78,7 @@ def plan(w, root_edges, input_edges, accumulate: bool, world_size: int) -> HookP
         runs = {e[0] for e in input_edges if e is not None}
     else:
         runs = None  # every AccumulateGrad node of the graph runs
+    ext = native.load()  # counts the AccumulateGrad nodes' own hooks (None: unseen)
     leaves = []  # (node index, [(ddp, record, reducer index)])
     sinks = []
     for i, c in enumerate(classes):
@@ -87,7 +88,7 @@ def plan(w, root_edges, input_edges, accumulate: bool, world_size: int) -> HookP
                 continue
             var = nodes[i].variable
             owners = registry.owners(var)
-            reason = _hooks_unaccounted(nodes[i], var, owners)
+            reason = _hooks_unaccounted(ext, nodes[i], var, owners)
             if reason:
                 return reason
             if owners:
@@ -127,12 +128,11 @@ def plan(w, root_edges, input_edges, accumulate: bool, world_size: int) -> HookP
     return HookPlan(hooks) if hooks else None
 
 
-def _hooks_unaccounted(node, var, owners) -> str | None:
+def _hooks_unaccounted(ext, node, var, owners) -> str | None:
     """With the native extension, the hooks the AccumulateGrad node itself carries: exactly one per
     recorded reducer whose hooks are live, or this backward runs eagerly. That catches a DDP module
     built before `import gpuautograd` (the registry never saw it) and hooks of other libraries,
-    which the Python walk alone can't see."""
-    ext = native.load()
+    which the Python walk alone can't see. `ext`: the loaded extension, or None."""
     if ext is None:
         return None
     carried = ext.post_hook_count(node)

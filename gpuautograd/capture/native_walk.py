@@ -66,10 +66,11 @@ class NativeWalk:
             self._saved = self.native.take_saved()
         return self._saved
 
-    def arguments(self, plan, grads: list) -> list | None:
-        """The program's argument list for `plan` (an ArgumentPlan), built in C++; None once the
-        saved tensors were taken into Python (a capture reads them there)."""
-        return self.native.arguments(plan, grads) if self._saved is None else None
+    def arguments(self, plan, grads: list, release: bool) -> list | None:
+        """The program's argument list for `plan` (an ArgumentPlan), built in C++, then with
+        `release` the plan's functional nodes released; None, with nothing released, once the saved
+        tensors were taken into Python (a capture reads them there)."""
+        return self.native.arguments(plan, grads, release) if self._saved is None else None
 
     def release(self, indices) -> None:
         """Free what eager frees after running these nodes (Node::release_variables)."""
@@ -150,6 +151,8 @@ def saved_permutation(w: NativeWalk, pw: Walk) -> list[int]:
 _ARGUMENT_KINDS = {"saved": 0, "grad": 1, "node": 2}  # walker.cpp's ArgumentPlan::Kind
 
 
-def argument_plan(arg_plan: list[tuple[str, int]]):
-    """The engine's argument plan (kind, native index) as the extension's ArgumentPlan."""
-    return native.load().ArgumentPlan([_ARGUMENT_KINDS[kind] for kind, _ in arg_plan], [i for _, i in arg_plan])
+def argument_plan(arg_plan: list[tuple[str, int]], functional_nodes: list[int]):
+    """The engine's argument plan (kind, native index) as the extension's ArgumentPlan, with the
+    nodes to release after binding (those the program runs functionally)."""
+    kinds = [_ARGUMENT_KINDS[kind] for kind, _ in arg_plan]
+    return native.load().ArgumentPlan(kinds, [i for _, i in arg_plan], list(functional_nodes))

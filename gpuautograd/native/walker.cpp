@@ -30,7 +30,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -51,10 +50,20 @@ enum Tag : uint8_t {
 
 class KeyWriter {
  public:
-  KeyWriter() { bytes_.resize(16384); }
+  KeyWriter() : bytes_(static_cast<char*>(std::malloc(kInitial))), capacity_(kInitial) {
+    TORCH_CHECK(bytes_ != nullptr, "KeyWriter: out of memory");
+  }
+  ~KeyWriter() { std::free(bytes_); }
+  KeyWriter(const KeyWriter&) = delete;
+  KeyWriter& operator=(const KeyWriter&) = delete;
+
+  // Inline with a constant size, unlike std::string::append: the walk writes a few hundred small
+  // fields per node, so each becomes a store.
   template <typename T>
   void put(const T& value) {
-    append(&value, sizeof(T));
+    reserve(sizeof(T));
+    std::memcpy(bytes_ + size_, &value, sizeof(T));
+    size_ += sizeof(T);
   }
   void put_ints(c10::IntArrayRef values) {
     put<uint32_t>(values.size());
@@ -64,19 +73,27 @@ class KeyWriter {
     put<uint32_t>(size);
     append(data, size);
   }
-  py::bytes bytes() const { return py::bytes(bytes_.data(), size_); }
+  py::bytes bytes() const { return py::bytes(bytes_, size_); }
 
  private:
-  // Inline, unlike std::string::append: the walk writes a few hundred small fields per node.
-  void append(const void* data, size_t n) {
-    if (size_ + n > bytes_.size()) {
-      bytes_.resize(std::max(bytes_.size() * 2, size_ + n));
+  static constexpr size_t kInitial = 16384;  // gpt's key is 13 kB
+
+  void reserve(size_t n) {
+    if (C10_UNLIKELY(size_ + n > capacity_)) {
+      capacity_ = std::max(capacity_ * 2, size_ + n);
+      auto* grown = static_cast<char*>(std::realloc(bytes_, capacity_));
+      TORCH_CHECK(grown != nullptr, "KeyWriter: out of memory");
+      bytes_ = grown;
     }
-    std::memcpy(bytes_.data() + size_, data, n);
+  }
+  void append(const void* data, size_t n) {
+    reserve(n);
+    std::memcpy(bytes_ + size_, data, n);
     size_ += n;
   }
 
-  std::vector<char> bytes_;
+  char* bytes_;  // not a std::vector: that zero-fills 16 kB per walk
+  size_t capacity_;
   size_t size_ = 0;
 };
 
@@ -89,17 +106,19 @@ void put_tensor_meta(KeyWriter& key, const at::Tensor& t) {
   key.put(t.device().index());
 }
 
-// Why a tensor can't be keyed or read by the functional backward (nullopt: it can).
-std::optional<std::string> layout_problem(const at::Tensor& t, const std::string& where) {
+// Why a tensor can't be keyed or read by the functional backward (nullopt: it can). `where` is
+// called only to word a problem: the check runs for every saved tensor of every walk.
+template <typename Where>
+std::optional<std::string> layout_problem(const at::Tensor& t, const Where& where) {
+  if (C10_LIKELY(t.layout() == at::kStrided && !t.is_nested())) {
+    return std::nullopt;
+  }
   if (t.is_nested()) {
-    return "a nested tensor is " + where;
+    return "a nested tensor is " + std::string(where());
   }
-  if (t.layout() != at::kStrided) {
-    std::ostringstream os;
-    os << "a tensor with layout " << t.layout() << " is " << where;
-    return os.str();
-  }
-  return std::nullopt;
+  std::ostringstream os;
+  os << "a tensor with layout " << t.layout() << " is " << where();
+  return os.str();
 }
 
 // One upload group of a bound plan's pointer table (runtime/replay.py): slot lo + k holds the
@@ -206,10 +225,12 @@ class FreshBuffers {
 
 // The argument list a captured program expects, in its order: each entry names a saved tensor of
 // the native walk (its compiled_args index), an incoming gradient, or a node (an opaque one).
+// `release` lists the nodes the program runs functionally: what eager frees after running them.
 class ArgumentPlan {
  public:
   enum Kind : uint8_t { kSavedArg = 0, kGradArg = 1, kNodeArg = 2 };
-  ArgumentPlan(std::vector<uint8_t> kinds, std::vector<int64_t> indices) : kinds_(std::move(kinds)), indices_(std::move(indices)) {
+  ArgumentPlan(std::vector<uint8_t> kinds, std::vector<int64_t> indices, std::vector<int64_t> release)
+      : kinds_(std::move(kinds)), indices_(std::move(indices)), release_(std::move(release)) {
     TORCH_CHECK(kinds_.size() == indices_.size(), "ArgumentPlan: lengths differ");
     for (auto k : kinds_) {
       TORCH_CHECK(k <= kNodeArg, "ArgumentPlan: unknown argument kind ", int(k));
@@ -217,10 +238,12 @@ class ArgumentPlan {
   }
   const std::vector<uint8_t>& kinds() const { return kinds_; }
   const std::vector<int64_t>& indices() const { return indices_; }
+  const std::vector<int64_t>& release() const { return release_; }
 
  private:
   std::vector<uint8_t> kinds_;
   std::vector<int64_t> indices_;
+  std::vector<int64_t> release_;
 };
 
 // Node::mutex_ is protected; eager's AccumulateGrad::apply holds it while it writes .grad, so the
@@ -308,6 +331,65 @@ class LeafDelivery {
   std::vector<bool> copy_;
 };
 
+// Node -> its index in the walk. Open addressing: std::unordered_map allocates once per entry,
+// and every edge of every node looks its target up.
+class NodeIndex {
+ public:
+  NodeIndex() : slots_(kInitial) {}
+
+  // The index of `node`, inserting `next` if it has none; second: whether it was inserted.
+  std::pair<int64_t, bool> try_emplace(const Node* node, int64_t next) {
+    if ((size_ + 1) * 2 > slots_.size()) {
+      grow();
+    }
+    Slot& slot = slots_[position(node)];
+    if (slot.node == node) {
+      return {slot.index, false};
+    }
+    slot = {node, next};
+    ++size_;
+    return {next, true};
+  }
+
+  // The index of `node`, or -1.
+  int64_t find(const Node* node) const {
+    const Slot& slot = slots_[position(node)];
+    return slot.node == node ? slot.index : -1;
+  }
+
+ private:
+  struct Slot {
+    const Node* node = nullptr;
+    int64_t index = -1;
+  };
+  static constexpr size_t kInitial = 512;  // a power of two; gpt's 102 nodes fit without growing
+
+  // The position of the slot holding `node`, or of the empty one where it would go.
+  size_t position(const Node* node) const {
+    size_t mask = slots_.size() - 1;
+    size_t h = ((reinterpret_cast<uintptr_t>(node) >> 4) * 0x9E3779B97F4A7C15ull) >> 32;
+    for (h &= mask;; h = (h + 1) & mask) {
+      const Slot& slot = slots_[h];
+      if (slot.node == node || slot.node == nullptr) {
+        return h;
+      }
+    }
+  }
+
+  void grow() {
+    std::vector<Slot> old(slots_.size() * 2);
+    old.swap(slots_);
+    for (const auto& slot : old) {
+      if (slot.node != nullptr) {
+        slots_[position(slot.node)] = slot;
+      }
+    }
+  }
+
+  std::vector<Slot> slots_;
+  size_t size_ = 0;
+};
+
 AccumulateGrad* as_accumulate_grad(Node* node, int64_t i) {
   auto* acc = dynamic_cast<AccumulateGrad*>(node);
   TORCH_CHECK(acc, "node ", i, " (", node ? node->name() : std::string("null"), ") is not an AccumulateGrad node");
@@ -319,7 +401,6 @@ class NativeWalk {
  public:
   NativeWalk() : compiler_(ca::SizeInput::STATIC) {
     nodes_.reserve(256);
-    index_.reserve(256);
   }
 
   void run(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs) {
@@ -356,11 +437,11 @@ class NativeWalk {
     if (!edge.function) {
       return py::none();
     }
-    auto it = index_.find(edge.function.get());
-    if (it == index_.end()) {
+    int64_t i = index_.find(edge.function.get());
+    if (i < 0) {
       return py::none();
     }
-    return py::make_tuple(it->second, edge.input_nr);
+    return py::make_tuple(i, edge.input_nr);
   }
 
   // For each SavedTensor of the Python walk's slots, the index of its tensor in saved().
@@ -379,8 +460,9 @@ class NativeWalk {
   }
 
   // The program's arguments, built straight from the collected tensors; the walk then lets go of
-  // them, so the list holds the only references this walk had (releasing frees as in eager).
-  py::list arguments(const ArgumentPlan& plan, py::list grads) {
+  // them, so the list holds the only references this walk had. With `release` (a backward without
+  // retain_graph), the plan's functional nodes then free their saved values, as eager's do.
+  py::list arguments(const ArgumentPlan& plan, py::list grads, bool release) {
     auto& saved = compiler_.tensor_args.inputs;
     const auto& kinds = plan.kinds();
     const auto& indices = plan.indices();
@@ -403,6 +485,9 @@ class NativeWalk {
       PyList_SET_ITEM(args.ptr(), k, obj);  // steals the reference
     }
     saved.clear();
+    if (release) {
+      this->release(plan.release());
+    }
     return args;
   }
 
@@ -429,11 +514,11 @@ class NativeWalk {
 
  private:
   int64_t discover(const NodePtr& fn) {
-    auto [it, fresh] = index_.try_emplace(fn.get(), static_cast<int64_t>(nodes_.size()));
+    auto [i, fresh] = index_.try_emplace(fn.get(), static_cast<int64_t>(nodes_.size()));
     if (fresh) {
       nodes_.push_back(fn);
     }
-    return it->second;
+    return i;
   }
 
   void set_fallback(std::string reason) {
@@ -443,19 +528,20 @@ class NativeWalk {
   }
 
   void visit(size_t i) {
-    // A copy, not a reference into nodes_: discover() may reallocate it.
-    NodePtr node = nodes_[i];
+    // A plain pointer: nodes_ keeps the node alive, and discover() may move nodes_'s elements.
+    Node* node = nodes_[i].get();
     key_.put(kNode);
     put_edges(*node);
     put_input_metadata(*node);
-    if (auto* acc = dynamic_cast<AccumulateGrad*>(node.get())) {
+    auto* acc = dynamic_cast<AccumulateGrad*>(node);
+    if (acc != nullptr) {
       put_leaf(*acc);
     } else if (PyObject* obj = python_function(*node)) {
       put_python(obj);
     } else {
-      put_cpp(node);
+      put_cpp(i);
     }
-    check_node_hooks(*node);
+    check_node_hooks(*node, acc != nullptr);
   }
 
   void put_edges(const Node& node) {
@@ -506,7 +592,7 @@ class NativeWalk {
       unsupported_ = "an AccumulateGrad node whose variable was released";
       return;
     }
-    if (auto problem = layout_problem(var, "a leaf of the graph")) {
+    if (auto problem = layout_problem(var, [] { return "a leaf of the graph"; })) {
       set_fallback(*problem);
       return;
     }
@@ -554,7 +640,8 @@ class NativeWalk {
     }
   }
 
-  void put_cpp(const NodePtr& node) {
+  void put_cpp(size_t i) {
+    const NodePtr& node = nodes_[i];
     // The type's name pointer is unique per C++ type and lives as long as the process.
     key_.put(reinterpret_cast<uintptr_t>(typeid(*node).name()));
     size_t tensors_before = compiler_.tensor_args.inputs.size();
@@ -583,7 +670,7 @@ class NativeWalk {
     key_.put_raw(ck.key, ck.key_size);
     const auto& tensors = compiler_.tensor_args.inputs;
     for (size_t k = tensors_before; k < tensors.size(); ++k) {
-      if (auto problem = layout_problem(tensors[k], "saved by " + node->name())) {
+      if (auto problem = layout_problem(tensors[k], [&] { return "saved by " + node->name(); })) {
         set_fallback(*problem);
         return;
       }
@@ -608,12 +695,12 @@ class NativeWalk {
   }
 
   // Hooks on the node itself: eager runs them, the functional backward can't.
-  void check_node_hooks(Node& node) {
+  void check_node_hooks(Node& node, bool is_leaf) {
     if (!node.pre_hooks().empty()) {
       set_fallback("a pre-hook is registered on autograd node " + node.name() + " (grad_fn.register_prehook or a module backward hook)");
     } else if (!node.post_hooks().empty()) {
       set_fallback("a hook is registered on autograd node " + node.name() + " (grad_fn.register_hook or a module backward hook)");
-    } else if (!node.tensor_pre_hooks().empty() && dynamic_cast<AccumulateGrad*>(&node) == nullptr) {
+    } else if (!is_leaf && !node.tensor_pre_hooks().empty()) {
       set_fallback("a hook is registered on a non-leaf tensor (grad_fn " + node.name() + ")");
     }
   }
@@ -625,7 +712,7 @@ class NativeWalk {
   }
 
   std::vector<NodePtr> nodes_;
-  std::unordered_map<const Node*, int64_t> index_;
+  NodeIndex index_;
   ca::AutogradCompilerCall compiler_;
   ca::NodeCall call_{0, NodePtr()};
   KeyWriter key_;
@@ -673,12 +760,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("node", &NativeWalk::node)
       .def("saved_index", &NativeWalk::saved_index)
       .def("release", &NativeWalk::release)
-      .def("arguments", &NativeWalk::arguments, "The captured program's argument list (the walk lets go of its tensors).")
+      .def("arguments", &NativeWalk::arguments,
+           "The captured program's argument list (the walk lets go of its tensors); with `release`, free the plan's functional nodes.")
       .def("deliver", &NativeWalk::deliver, "Hand the program's leaf gradients in `outs` to their AccumulateGrad nodes.");
   py::class_<LeafDelivery>(m, "LeafDelivery")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<bool>>())
       .def("__len__", &LeafDelivery::size);
-  py::class_<ArgumentPlan>(m, "ArgumentPlan").def(py::init<std::vector<uint8_t>, std::vector<int64_t>>());
+  py::class_<ArgumentPlan>(m, "ArgumentPlan").def(py::init<std::vector<uint8_t>, std::vector<int64_t>, std::vector<int64_t>>());
   py::class_<TableGroup>(m, "TableGroup")
       .def(py::init<std::vector<py::object>, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<int64_t>, int64_t>())

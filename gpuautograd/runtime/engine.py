@@ -166,26 +166,33 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
     return _execute(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
 
 
-def bind(w, entry: Entry, grads) -> list:
-    """The program's argument list from this walk; afterwards it holds the only references."""
+def bind(w, entry: Entry, grads, release: bool) -> list:
+    """The program's argument list from this walk; afterwards it holds the only references. With
+    `release` (no retain_graph), the functional nodes then free their saved values: the program
+    owns what it reads, and a functional node never looks at its saved tensors again."""
     if entry.native_arguments is not None and isinstance(w, native_walk.NativeWalk):
-        args = w.arguments(entry.native_arguments, grads if type(grads) is list else list(grads))
+        args = w.arguments(entry.native_arguments, grads if type(grads) is list else list(grads), release)
         if args is not None:
             return args
     saved, nodes = w.saved, w.nodes
     args = [saved[i] if kind == "saved" else grads[i] if kind == "grad" else nodes[i] for kind, i in entry.arg_plan]
     saved.clear()  # from here the argument list holds the only program references
+    if release:
+        _release(w, entry.functional_nodes)
     return args
 
 
 def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: bool, input_edges):
     """Run the plan on this walk's tensors and deliver the gradients (the part after the lookup)."""
-    args = bind(w, entry, grads)
-    if not retain_graph:
-        # The program now owns what it reads; a functional node never looks at its saved tensors again.
-        _release(w, entry.functional_nodes)
-    with torch.no_grad():  # eager runs backward with grad mode = create_graph, which is False here
+    args = bind(w, entry, grads, release=not retain_graph)
+    # Eager runs backward with grad mode = create_graph, which is False here. Set directly: the
+    # torch.no_grad context object costs about 3 µs a call.
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
         outs = list(entry.compiled(args))  # the list holds the only references to the results
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
     if not retain_graph and entry.opaque_nodes:
         _release(w, entry.opaque_nodes)
     return _deliver(w, entry, outs, inputs, accumulate, input_edges)
@@ -273,7 +280,7 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
             entry = Entry(program=None, compiled=None, fallback_reason=reason)
         else:
             entry.arg_plan = [(kind, perm[i]) if kind == "saved" else (kind, i) for kind, i in entry.arg_plan]
-            entry.native_arguments = native_walk.argument_plan(entry.arg_plan)
+            entry.native_arguments = native_walk.argument_plan(entry.arg_plan, entry.functional_nodes)
             entry.keepalive = py_key  # holds the Python classes whose addresses the native key names
     if flags.debug_level() >= 2 and entry.program is not None:
         print(f"[gpuautograd] captured program:\n{entry.program}")

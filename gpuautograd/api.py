@@ -304,7 +304,7 @@ def _native_fallback(tensors, inputs) -> str | None:
     """What only the native walker sees (hooks on C++ nodes): the reason backward would run eagerly."""
     if native_walk.current() != native_walk.NATIVE:
         return None
-    nw, _ = native_walk.walk(list(_as_tuple(tensors)), list(_as_tuple(inputs)))
+    nw, _ = native_walk.walk(list(_as_tuple(tensors)), list(_as_tuple(inputs)), [])  # no key is looked up
     return nw.hook_reason if nw is not None else None
 
 

@@ -40,6 +40,7 @@ class NativeWalk:
     """What the engine reads of a walk (nodes, saved, retained, hook_reason), from the native one."""
 
     walker = NATIVE
+    __slots__ = ("native", "roots", "inputs", "nodes", "_saved", "hook_reason", "grad_dtypes", "retained")
 
     def __init__(self, nw, roots, inputs) -> None:
         self.native = nw
@@ -47,16 +48,19 @@ class NativeWalk:
         self.nodes = _Nodes(nw)
         self._saved = None
         self.hook_reason = nw.fallback
-        # The native key holds no leaf's grad_dtype; read only once some grad_dtype was ever set.
-        self.grad_dtypes = _leaf_grad_dtypes(nw) if hooks.grad_dtype_seen else ()
-        if any(d is None for _, d in self.grad_dtypes):
-            self.hook_reason = self.hook_reason or GRAD_DTYPE_ANY_REASON
+        self.grad_dtypes = ()
+        if hooks.grad_dtype_seen:  # the native key holds no leaf's grad_dtype: read once one was ever set
+            self.grad_dtypes = _leaf_grad_dtypes(nw)
+            if any(d is None for _, d in self.grad_dtypes):
+                self.hook_reason = self.hook_reason or GRAD_DTYPE_ANY_REASON
         self.retained = []
-        for t in hooks.tracked_tensors():
-            edge = nw.find(t) if t.retains_grad else None
-            if edge is not None:
-                self.retained.append((edge[0], edge[1], t))
-        self.retained.sort(key=lambda r: (r[0], r[1]))
+        tracked = hooks.tracked_tensors()
+        if tracked:
+            for t in tracked:
+                edge = nw.find(t) if t.retains_grad else None
+                if edge is not None:
+                    self.retained.append((edge[0], edge[1], t))
+            self.retained.sort(key=lambda r: (r[0], r[1]))
 
     @property
     def saved(self) -> list:
@@ -89,11 +93,11 @@ def _leaf_grad_dtypes(nw) -> tuple:
     return tuple(out)
 
 
-def walk(roots, inputs) -> tuple[NativeWalk | None, str | None]:
-    """The native walk of `roots`' graph, or (None, why) when it can't read this graph; the
-    Python walk then runs."""
+def walk(roots, inputs, grads) -> tuple[NativeWalk | None, str | None]:
+    """The native walk of `roots`' graph, keyed with the incoming `grads`, or (None, why) when it
+    can't read this graph; the Python walk then runs."""
     try:
-        nw = native.load().walk(list(roots), list(inputs))
+        nw = native.load().walk(list(roots), list(inputs), grads if type(grads) is list else list(grads))
     except RuntimeError as e:
         # compiled_args refused a node: a saved value an earlier grad() freed (the Python walk
         # raises only if that node runs), or a node it can't visit (CopySlices with a view_fn).
@@ -107,7 +111,8 @@ def walk(roots, inputs) -> tuple[NativeWalk | None, str | None]:
 
 
 def key_of(w: NativeWalk) -> tuple:
-    """The graph part of the cache key: the native key bytes, then what Python adds to them."""
+    """The cache key after the backend and accumulate: the native key bytes (the incoming
+    gradients, then the graph), then what Python adds to them."""
     return ("native", w.native.key, tuple((j, nr) for j, nr, _ in w.retained), w.grad_dtypes)
 
 

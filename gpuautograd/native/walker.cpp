@@ -46,6 +46,7 @@ namespace {
 enum Tag : uint8_t {
   kNode = 1, kEdge, kNoEdge, kMeta, kSaved, kSizes, kLifted, kLeaf, kPython, kRoot, kInput,
   kHooked,  // a node whose saved values carry unpack hooks: it runs opaque
+  kGrad,    // an incoming gradient of a root
 };
 
 class KeyWriter {
@@ -403,7 +404,17 @@ class NativeWalk {
     nodes_.reserve(256);
   }
 
-  void run(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs) {
+  void run(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs, const std::vector<std::optional<at::Tensor>>& grads) {
+    for (const auto& g : grads) {
+      // Keyed as the Python walk keys them; a gradient without strides is the Python walk's to
+      // refuse, with its words.
+      if (!g || !g->defined() || layout_problem(*g, [] { return "a root gradient"; })) {
+        unsupported_ = "a root gradient the native key can't describe";
+        return;
+      }
+      key_.put(kGrad);
+      put_tensor_meta(key_, *g);
+    }
     std::vector<std::pair<int64_t, uint32_t>> root_edges;
     for (const auto& t : roots) {
       auto edge = torch::autograd::impl::gradient_edge(t);
@@ -739,9 +750,10 @@ int64_t post_hook_count(py::object node) {
   return static_cast<int64_t>(reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata->post_hooks().size());
 }
 
-std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs) {
+std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs,
+                                 const std::vector<std::optional<at::Tensor>>& grads) {
   auto w = std::make_unique<NativeWalk>();
-  w->run(roots, inputs);
+  w->run(roots, inputs, grads);
   return w;
 }
 
@@ -776,5 +788,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("allocate", &FreshBuffers::allocate, "Put a new empty tensor into the call's dict for every fresh output.");
   m.def("post_hook_count", &post_hook_count, "The number of C++ post hooks of a C++ autograd node.");
   m.def("deliver", &deliver_to_python_nodes, "LeafDelivery for the Python walk's node list.");
-  m.def("walk", &walk, "Walk the graph behind `roots`; `inputs` are autograd.grad's inputs (may be empty).");
+  m.def("walk", &walk,
+        "Walk the graph behind `roots`; `inputs` are autograd.grad's inputs (may be empty), `grads` the roots' incoming gradients (keyed).");
 }

@@ -42,9 +42,11 @@ class Fallback(Exception):
     """This backward can't be honored functionally; run eager autograd instead (reason in args)."""
 
 
-def _backend(backend: str | None, device: torch.device) -> str:
-    """Resolve "auto" for the device, and refuse a backend that can't run there."""
-    return _resolve_backend(backend or flags.backend(), device.type)
+def _backend(backend: str | None, t: torch.Tensor) -> str:
+    """Resolve "auto" for the device of `t`, and refuse a backend that can't run there."""
+    # is_cuda and is_cpu are plain flags; `t.device.type` builds a device and a string per call
+    device_type = "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
+    return _resolve_backend(backend or flags.backend(), device_type)
 
 
 @functools.cache  # what it reads (installed packages, the device type) doesn't change in a process
@@ -89,15 +91,16 @@ def _edge(t: torch.Tensor, index: dict):
 def prepare(roots, grads, inputs, accumulate: bool, backend: str | None, walker: str = PYTHON):
     """Walk the graph and build the full cache key. Returns (walk, key, root edges, input edges).
     `walker` "native" uses the native walker where it can read the graph, else the Python walk."""
-    backend = _backend(backend, roots[0].device)
+    backend = _backend(backend, roots[0])
+    if walker == NATIVE:
+        w, unreadable = native_walk.walk(roots, inputs or (), grads)  # its key holds the gradients' layouts
+        if w is not None:
+            return w, (backend, accumulate, *native_walk.key_of(w)), w.native.root_edges, w.native.input_edges
     try:
         head = (backend, accumulate, tuple(tensor_meta(g) for g in grads))
     except RuntimeError as e:  # a sparse or nested root gradient has no strides
         raise Fallback(f"a root gradient the functional backward cannot describe ({e})") from e
     if walker == NATIVE:
-        w, unreadable = native_walk.walk(roots, inputs or ())
-        if w is not None:
-            return w, (*head, native_walk.key_of(w)), w.native.root_edges, w.native.input_edges
         stats_module.STATS.python_walks[unreadable] += 1
     root_nodes = []
     root_nrs = []

@@ -135,6 +135,22 @@ def test_a_graph_differing_in_one_guard_is_a_miss(kind, walker, monkeypatch):
         assert s["walker"] == walker
 
 
+@pytest.mark.parametrize("walker", WALKERS)
+def test_an_incoming_gradient_differing_in_strides_is_a_miss(walker, monkeypatch):
+    _use(walker, monkeypatch)
+    torch.manual_seed(0)
+    a = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, 3, dtype=torch.float64)
+    gt = torch.randn(3, 4, dtype=torch.float64).t()  # same shape, transposed layout
+    for grad_out, expected in ((g, (1, 0)), (gt, (2, 0)), (g, (2, 1)), (gt, (2, 2))):
+        (ours,) = gpuautograd.grad(torch.tanh(a) * 2, [a], grad_out)
+        (eager,) = torch.autograd.grad(torch.tanh(a) * 2, [a], grad_out)
+        assert_close(ours, eager)
+        s = gpuautograd.stats()
+        assert (s["captures"], s["cache_hits"]) == expected, s
+        assert s["walker"] == walker
+
+
 def _native_only(monkeypatch):
     _use("native", monkeypatch)
 

@@ -112,8 +112,7 @@ def _hit_in_phases(loss, clock, walker) -> dict:
     w, key, *_ = engine.prepare([loss], grads, [], True, None, walker)
     entry = engine.CACHE.get(key)
     t1 = clock()
-    args = engine.bind(w, entry, grads)
-    engine._release(w, entry.functional_nodes)
+    args = engine.bind(w, entry, grads, release=True)
     t2 = clock()
     with torch.no_grad():
         if entry.opaque_nodes:  # as engine.run runs a backward with opaque nodes

@@ -3,10 +3,12 @@ results.json from a tiny real run, and the launch counter. No timing is asserted
 of the output and properties that hold on any machine."""
 
 import json
+import time
 
 import pytest
 import torch
 
+import gpuautograd
 from bench import compare
 from bench.counting import count_aten_ops, launches_kernel
 from bench.harness import Config, measure_model, run
@@ -195,3 +197,27 @@ def test_launch_classification():
     assert launches_kernel(aten.mm.default) and launches_kernel(aten.add_.Tensor) and launches_kernel(aten.ones_like.default)
     assert not launches_kernel(aten.view.default) and not launches_kernel(aten.expand.default) and not launches_kernel(aten.detach.default)
     assert not launches_kernel(aten.empty.memory_format) and not launches_kernel(aten.empty_strided.default)
+
+
+@pytest.mark.parametrize("walker", ["native", "python"])
+def test_the_phased_hit_of_bench_hit_path_leaves_eagers_gradients(walker):
+    """bench.hit_path --phases repeats the engine's steps one by one: they must still add up to a
+    hit that leaves the gradients eager's backward leaves."""
+    from bench import hit_path
+
+    if walker not in hit_path.available_walkers():
+        pytest.skip("the native walker is unavailable here")
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = hit_path.MODELS["mlp"]()
+    batch = make_batch(torch.Generator().manual_seed(0))
+    forward = lambda: hit_path._forward(model, make_batch, loss_fn, batch)  # noqa: E731 (seeded: dropout)
+    with hit_path.walker_env(walker):
+        gpuautograd.backward(forward())  # the capture
+        model.zero_grad(set_to_none=True)
+        phases = hit_path._hit_in_phases(forward(), time.perf_counter, walker)
+    ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    forward().backward()
+    for a, e in zip(ours, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    assert set(phases) == {"walk+key", "bind+release", "run", "deliver", "hit"}

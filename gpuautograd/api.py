@@ -119,13 +119,16 @@ def backward(
     backend: str | None = None,
 ) -> None:
     """Drop-in for `torch.autograd.backward`: accumulates gradients into the leaves' `.grad`."""
-    if _has_gradient_edge(tensors) or _has_gradient_edge(inputs) or (tensors is not None and len(_as_tuple(tensors)) == 0):
-        warn_fallback("GradientEdge roots or inputs, or no roots at all, need eager autograd")
-        return _eager_backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
-    if inputs is not None and len(_as_tuple(inputs)) == 0:
-        raise RuntimeError("'inputs' argument to backward() cannot be empty.")
-    tensors = _as_tuple(tensors)
-    inputs = _as_tuple(inputs)
+    if type(tensors) is torch.Tensor and inputs is None:  # loss.backward(): nothing to normalize
+        tensors, inputs = (tensors,), ()
+    else:
+        if _has_gradient_edge(tensors) or _has_gradient_edge(inputs) or (tensors is not None and len(_as_tuple(tensors)) == 0):
+            warn_fallback("GradientEdge roots or inputs, or no roots at all, need eager autograd")
+            return _eager_backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
+        if inputs is not None and len(_as_tuple(inputs)) == 0:
+            raise RuntimeError("'inputs' argument to backward() cannot be empty.")
+        tensors = _as_tuple(tensors)
+        inputs = _as_tuple(inputs)
     grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
     if retain_graph is None:
         retain_graph = create_graph

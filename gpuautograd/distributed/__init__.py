@@ -40,8 +40,11 @@ def install() -> None:
     registry.install()
 
 
+_AVAILABLE = torch.distributed.is_available()  # how torch was built: fixed for the process
+
+
 def _initialized() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    return _AVAILABLE and torch.distributed.is_initialized()
 
 
 def global_fallback_reason() -> str | None:

@@ -311,3 +311,28 @@ def _mse_loss_backward(grad, self, target, *, reduction, output_mask):
     gs = aten.mse_loss_backward(grad, self, target, reduction) if output_mask[0] else None
     gt = aten.mse_loss_backward(grad, target, self, reduction) if output_mask[1] else None
     return gs, gt
+
+
+# ---------------------------------------------------------------------------------------------
+# Indexing along one dim: (x, index) -> x's slices at index, as index_add's source gradient
+
+
+def _index_select_infer(ts, attrs):
+    x, index = ts
+    dim = attrs["dim"]
+    _require(isinstance(x, TensorType) and isinstance(index, TensorType), "index_select", "needs two tensors")
+    _require(0 <= dim < x.ndim, "index_select", f"dim {dim} is not a dim of {x}")
+    _require(index.ndim == 1 and index.dtype in (torch.int64, torch.int32), "index_select", f"needs a 1-d integer index, got {index}")
+    return [x.with_(shape=(*x.shape[:dim], *index.shape, *x.shape[dim + 1 :]))]
+
+
+def _index_select_decomposed(b, x, index, *, dim):
+    return b.index(x, [None] * dim + [index])
+
+
+@_composite("index_select", _index_select_infer, _index_select_decomposed)
+def _index_select(x, index, *, dim):
+    # aten.index (x[..., index]) costs three times this on a CPU: it builds a TensorIterator over an
+    # advanced index. The two differ only for negative indices, which index_select refuses, and an
+    # index that its caller's forward already checked (index_add's) holds none.
+    return torch.index_select(x, dim, index)

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ..ir import composite_ops
 from ..ir.extern_ops import UPSAMPLE_KERNELS  # the import also registers the extern op
 from ..ir.ops import broadcast_shapes
 from .pointwise import scaled
@@ -322,8 +323,8 @@ def index_add_backward(b, node, grads):
     if node.needs(1):
         index = b.reshape(node.saved("index"), (-1,))
         source = grad
-        if grad.ndim:
-            source = b.index(grad, [None] * norm_dim(node.saved("dim"), grad.ndim) + [index])
+        if grad.ndim:  # index_add refused any index out of [0, size): index_select takes it as is
+            source = composite_ops.emit(b, "index_select", grad, index, dim=norm_dim(node.saved("dim"), grad.ndim))
         if node.saved("source_dim") == 0:
             source = b.reshape(source, ())
         source = scaled(b, source, node.saved("alpha"))

@@ -57,6 +57,19 @@ def _mse(reduction):
     return (lambda x, y: F.mse_loss(x, y, reduction=reduction)), (lambda d: (rand(5, 9, dtype=d), rand(5, 9, dtype=d)))
 
 
+def _index_add(dim):
+    """index_add's source gradient: the gradient's slices at the index (repeated ones included)."""
+    index = torch.tensor([4, 0, 2, 2, 3, 1, 4, 4])
+
+    def fn(base, source):
+        return base.index_add(dim, index, source, alpha=1.5)
+
+    shape = [7, 5]
+    source_shape = list(shape)
+    source_shape[dim] = len(index)
+    return fn, lambda d: (rand(*shape, dtype=d), rand(*source_shape, dtype=d, noncontiguous=True))
+
+
 # (case id, composite op, graph, inputs for a dtype)
 CASES = [
     ("gelu", "gelu_backward", *_unary(F.gelu)),
@@ -81,6 +94,8 @@ CASES = [
     ("mse_mean", "mse_loss_backward", *_mse("mean")),
     ("mse_sum", "mse_loss_backward", *_mse("sum")),
     ("mse_none", "mse_loss_backward", *_mse("none")),
+    ("index_add_dim0", "index_select", *_index_add(0)),
+    ("index_add_dim1", "index_select", *_index_add(1)),
 ]
 
 # bfloat16 layer norm keeps its float32 decomposition on the reference path (see composite_ops)

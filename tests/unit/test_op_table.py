@@ -42,6 +42,7 @@ def zoo():
     yield "indexing", (x[idx] * x[:, [1, 1, 3]].sum()).sum() + x.gather(1, torch.tensor([[0, 6]] * 5)).sum()
     yield "scatter", torch.scatter(x, 1, torch.tensor([[0], [1], [2], [3], [4]]), y[:, :1]).pow(2).sum()
     yield "scatter_add", torch.scatter_add(x, 0, torch.tensor([[0, 1, 2, 3, 4, 0, 1]]), y[:1]).exp().sum()
+    yield "index_add", x.index_add(0, idx, y[:4], alpha=2.0).pow(2).sum()
     yield "select_slice", (x[2] * 3).sum() + x[1:4:2, ::3].abs().sum() + x.unbind(1)[3].sum()
     yield "reductions", x.amax(1).sum() + y.amin(0).sum() + x.max() + torch.maximum(x, y).clamp(-0.5, 0.5).sum()
     yield "math", (x.sqrt().log1p() + y.sin().cos() * x.expm1() - x.reciprocal() + y.sign() + x.rsqrt()).nansum()

@@ -2,6 +2,7 @@
 a plan cache smaller than the working set keeps running functionally; every flag checks its value."""
 
 import logging
+import os
 import warnings
 
 import pytest
@@ -122,6 +123,20 @@ def test_a_bad_flag_value_names_the_flag_and_what_it_accepts(monkeypatch, name, 
         read()
     message = str(info.value)
     assert f"{name}={value!r}" in message and accepts in message, message
+
+
+def test_a_flag_follows_every_way_the_environment_changes(monkeypatch):
+    """Flags are read on every use: a set, a delete, os.environ replaced whole (as mock.patch does),
+    and a non-ASCII value all read as os.environ.get would."""
+    monkeypatch.setenv("GPUAUTOGRAD_BACKEND", "reference")
+    assert flags.backend() == "reference"
+    monkeypatch.delenv("GPUAUTOGRAD_BACKEND")
+    assert flags.backend() == "auto"
+    monkeypatch.setattr(os, "environ", {"GPUAUTOGRAD_BACKEND": "interpret"})
+    assert flags.backend() == "interpret"
+    monkeypatch.undo()
+    monkeypatch.setenv("GPUAUTOGRAD_DUMP_DIR", "/nonexistent/caf\u00e9")
+    assert flags._env("GPUAUTOGRAD_DUMP_DIR", "") == os.environ.get("GPUAUTOGRAD_DUMP_DIR")
 
 
 def test_a_bad_flag_fails_the_backward_that_reads_it(monkeypatch):

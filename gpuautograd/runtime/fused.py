@@ -24,7 +24,7 @@ from ..ir.printer import format_instr
 from ..ir.program import Program, Value
 from ..ir.types import TensorType
 from .memory import Interval, MemoryPlan, plan_memory
-from .reference import local_name
+from .reference import inline_view, local_name
 
 # Library calls that may hand back their input: what they read must not live in the arena.
 MAY_ALIAS_INPUT = {"opaque", "to_device"}
@@ -135,10 +135,15 @@ class _Writer:
             return name
         instr = self.a.producer[v.name]
         src = self.emit_host(instr.inputs[0])
-        fn = f"{instr.op}_{self.a.position[id(instr)]}"
-        self.env[fn] = functools.partial(get_op(instr.op).impl, **instr.attrs)
         name = local_name(v)
-        self.lines.append(f"    {name} = {fn}({src})  # view")
+        # A reshape, permute or expand as the reference executor writes it (a method call, without
+        # the partial and the wrapper frame); other views call their implementation.
+        expression = inline_view(instr.op, src, instr.attrs)
+        if expression is None:
+            fn = f"{instr.op}_{self.a.position[id(instr)]}"
+            self.env[fn] = functools.partial(get_op(instr.op).impl, **instr.attrs)
+            expression = f"{fn}({src})"
+        self.lines.append(f"    {name} = {expression}  # view")
         self.host[v.name] = name
         return name
 

@@ -56,6 +56,11 @@ def _inline(op: str, args: list[str], attrs: dict) -> str | None:
     return None
 
 
+def inline_view(op: str, src: str, attrs: dict) -> str | None:
+    """A reshape, expand or permute of the local `src` as one method call (None: another op)."""
+    return _inline(op, [src], attrs) if op in ("reshape", "expand", "permute") else None
+
+
 class CompiledProgram:
     def __init__(self, fn, source: str) -> None:
         self.fn = fn

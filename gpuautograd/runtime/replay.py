@@ -96,6 +96,7 @@ class BoundProgram(FusedProgram):
         self.schedule = schedule
         self.segments = [s for s in schedule if isinstance(s, Segment)]
         self.device = w.device
+        self.on_cuda = self.device.type == "cuda"  # read per call: device.type builds a string
         self.interpret = w.interpret
         self.input_names = [v.name for v, _ in w.plan.program.inputs]
         self.fresh = [(m.name, tuple(m.shape), m.dtype) for m in self._fresh_values()]
@@ -170,7 +171,7 @@ class BoundProgram(FusedProgram):
         with self.lock:
             if self.fallback is not None:  # another call gave up while this one waited
                 return self.fallback(args)
-            if self.device.type != "cuda":
+            if not self.on_cuda:
                 return self._call(args)
             with torch.cuda.device(self.device):
                 return self._serialized_on_gpu(args)

@@ -151,6 +151,37 @@ def test_an_incoming_gradient_differing_in_strides_is_a_miss(walker, monkeypatch
         assert s["walker"] == walker
 
 
+@pytest.mark.parametrize("walker", WALKERS)
+def test_a_graph_larger_than_the_walkers_first_node_table_hits_and_matches_eager(walker, monkeypatch):
+    """Past 256 nodes the native walker's node index grows: edges, a retained gradient found by
+    its node, and the key must come out as on a small graph."""
+    _use(walker, monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+
+    def run(backward):
+        h, early = x, None
+        for k in range(200):  # two nodes a step
+            h = torch.tanh(h * w) + 0.1
+            if k == 3:
+                early = h
+                early.retain_grad()
+        backward(h.sum())
+        return early.grad.clone(), x.grad.clone(), w.grad.clone()
+
+    expected = None
+    for _ in range(2):
+        x.grad = w.grad = None
+        expected = run(lambda loss: loss.backward())
+        x.grad = w.grad = None
+        for a, e in zip(run(gpuautograd.backward), expected):
+            assert_close(a, e)
+    s = gpuautograd.stats()
+    assert (s["captures"], s["cache_hits"]) == (1, 1), s
+    assert s["walker"] == walker and s["fallbacks"] == {}, s
+
+
 def _native_only(monkeypatch):
     _use("native", monkeypatch)
 

@@ -97,7 +97,7 @@ def walk(roots, inputs, grads) -> tuple[NativeWalk | None, str | None]:
     """The native walk of `roots`' graph, keyed with the incoming `grads`, or (None, why) when it
     can't read this graph; the Python walk then runs."""
     try:
-        nw = native.load().walk(list(roots), list(inputs), grads if type(grads) is list else list(grads))
+        nw = native.load().walk(list(roots), list(inputs), grads)
     except RuntimeError as e:
         # compiled_args refused a node: a saved value an earlier grad() freed (the Python walk
         # raises only if that node runs), or a node it can't visit (CopySlices with a view_fn).

@@ -347,7 +347,7 @@ class BoundProgram(FusedProgram):
         return TableMatmul(self.table.device_table, *specs, dims, tuple(strides), instr.outputs[0].dtype, self.interpret)
 
     def _first_call(self, D: dict):
-        cuda = self.device.type == "cuda"
+        cuda = self.on_cuda
         try:
             outs = self._warm_up(D, cuda)
         except EagerStepError as e:  # the user's error, raised as eager autograd would raise it

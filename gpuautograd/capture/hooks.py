@@ -32,6 +32,9 @@ grad_dtype_seen = False
 # Whether a non-leaf tensor was ever detached in place: eager's engine refuses a node whose saved
 # input was detached so, and only SavedTensor.unpack() shows it; from then on the walk looks.
 inplace_detach_seen = False
+# SavedTensor.register_hooks as torch defines it: gpuautograd's own release calls it directly,
+# without the watching wrapper (a Python frame per saved tensor, on every backward).
+register_saved_hooks = torch._C._autograd.SavedTensor.register_hooks
 
 
 def _track(t: torch.Tensor) -> None:
@@ -92,7 +95,7 @@ def _watch_saved_tensor_hooks() -> None:
 
     autograd_c._push_saved_tensors_default_hooks = push
     saved_tensor = autograd_c.SavedTensor
-    original_register = saved_tensor.register_hooks
+    original_register = register_saved_hooks
 
     def register_hooks(self, *args, **kwargs):
         global saved_hooks_seen

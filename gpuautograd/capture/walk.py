@@ -33,6 +33,10 @@ class NodeClass:
     raw_names: tuple[str, ...]  # attribute suffixes after "_raw_saved_": the releasable ones
     read: Callable[[object], tuple]  # node -> the tuple of its saved values, in saved_names order
     read_raw: Callable[[object], tuple]  # node -> its releasable SavedTensor objects (or lists)
+    # (node, saved) -> the key of its saved values, appending its tensors to `saved`: saved_key()
+    # per value, in one generated frame per node. A list of tensors raises AttributeError; the
+    # walk then takes saved_key() itself.
+    key: Callable[[object, list], tuple]
 
 
 _CLASSES: dict[type, NodeClass] = {}
@@ -60,8 +64,30 @@ def node_class(node) -> NodeClass:
             saved = tuple(n[len("_saved_") :] for n in names if n.startswith("_saved_"))
             raw = tuple(n[len("_raw_saved_") :] for n in names if n.startswith("_raw_saved_"))
         flags = tuple(n in raw for n in saved)
-        info = _CLASSES[cls] = NodeClass(node.name(), kind, saved, flags, raw, _reader("_saved_", saved), _reader("_raw_saved_", raw))
+        read = _reader("_saved_", saved)
+        info = _CLASSES[cls] = NodeClass(node.name(), kind, saved, flags, raw, read, _reader("_raw_saved_", raw), _keyer(saved, flags))
     return info
+
+
+def _keyer(names: tuple[str, ...], tensor_flags: tuple[bool, ...]):
+    """Generate `key(node, saved)` for one node class. Per saved value, a call of saved_key()
+    costs a frame (gpt reads about 190 values a backward); the generated function inlines it."""
+    lines, parts = ["def key(node, saved, list=list, tuple=tuple, type=type):"], []
+    for k, name in enumerate(names):
+        v = f"v{k}"
+        lines.append(f"    {v} = node._saved_{name}")
+        parts.append(f"k{k}")
+    for k, is_tensor in enumerate(tensor_flags):
+        v = f"v{k}"
+        if is_tensor:  # a tensor or None; a list of tensors has no .shape (the caller's fallback)
+            lines.append(f"    if {v} is None: k{k} = None")
+            lines.append(f"    else: k{k} = ({v}.shape, {v}.stride(), {v}.dtype, {v}.device); saved.append({v})")
+        else:
+            lines.append(f"    k{k} = tuple({v}) if type({v}) is list else {v}")
+    lines.append(f"    return ({', '.join(parts)}{',' if len(parts) == 1 else ''})")
+    namespace: dict = {}
+    exec("\n".join(lines), namespace)
+    return namespace["key"]
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
@@ -150,7 +176,11 @@ def walk(root_nodes) -> Walk:
                 extra = HOOKED_RELEASED if _note_hooked(w, node) else HOOKED
             else:
                 try:
-                    extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
+                    try:
+                        extra = info.key(node, saved)
+                    except AttributeError:  # a list of tensors
+                        del saved[saved_start[-1] :]
+                        extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
                 except RuntimeError as e:
                     extra = _unreadable(saved, saved_start[-1], e)
                 else:
@@ -292,6 +322,7 @@ _unpack_released._gpuautograd_release = True  # hooks.py: not a user's saved-ten
 def release_saved(nodes, classes, kinds=(CPP, PYTHON)) -> None:
     """Free what eager's backward frees: every saved tensor of the given nodes. A later access (or
     a second backward) raises torch's own "backward through the graph a second time" error."""
+    register = hooks.register_saved_hooks
     for node, info in zip(nodes, classes):
         if info.kind not in kinds:
             continue
@@ -300,9 +331,47 @@ def release_saved(nodes, classes, kinds=(CPP, PYTHON)) -> None:
                 if sv is None:
                     continue
                 try:
-                    sv.register_hooks(_pack_release, _unpack_released)
+                    register(sv, _pack_release, _unpack_released)
                 except RuntimeError:
                     pass  # a saved None, or already released: nothing is held
+
+
+def release_plan(w: Walk, indices) -> list:
+    """How every hit of this walk's key frees the saved tensors of nodes `indices`, fixed at capture.
+    Per node: a getter of the SavedTensor objects that hold a tensor and whether it returns several
+    (a tuple), or no getter where release_saved() must look (a custom Function's tuple, a list of
+    tensors, unpack hooks). The key fixes which saved values are None, and registering on one of
+    those raises in torch, which costs microseconds."""
+    plan = []
+    for i in indices:
+        node, info = w.nodes[i], w.classes[i]
+        if info.kind is ACCUMULATE or not info.raw_names:
+            continue
+        if info.kind is not CPP or i in w.hooked:
+            plan.append((i, None, False))
+            continue
+        values = info.read(node)
+        if any(isinstance(v, (list, tuple)) for v, is_tensor in zip(values, info.tensor_flags) if is_tensor):
+            plan.append((i, None, False))
+            continue
+        held = [n for n, is_tensor, v in zip(info.saved_names, info.tensor_flags, values) if is_tensor and v is not None]
+        if held:
+            plan.append((i, operator.attrgetter(*("_raw_saved_" + n for n in held)), len(held) > 1))
+    return plan
+
+
+def release_planned(w: Walk, plan: list) -> None:
+    """release_saved() for the nodes of a release_plan()."""
+    register, nodes = hooks.register_saved_hooks, w.nodes
+    for i, getter, many in plan:
+        if getter is None:
+            release_saved((nodes[i],), (w.classes[i],))
+            continue
+        for sv in getter(nodes[i]) if many else (getter(nodes[i]),):
+            try:
+                register(sv, _pack_release, _unpack_released)
+            except RuntimeError:
+                pass  # already released: nothing is held
 
 
 def mark_hooked_released(nodes) -> None:

@@ -29,6 +29,7 @@ class Entry:
     cpp_opaque: bool = False  # an opaque node is a C++ node (its graph task must be backward()-like)
     keepalive: Any = None  # what a native key refers to by address (the Python walk's key)
     native_arguments: Any = None  # arg_plan as the extension's ArgumentPlan (native walks only)
+    python_binding: Any = None  # arg_plan and the release as engine.PythonBinding (Python walks only)
     leaf_delivery: Any = None  # the native extension's LeafDelivery for the leaf sinks (None: Python's)
     other_sinks: bool = True  # sinks other than leaves (retained grads, grad()'s results)
     maybe_undefined: list = field(default_factory=list)  # (output, sources) a custom backward's None may leave undefined

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import operator
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -17,7 +18,7 @@ from .. import distributed, flags, native
 from ..capture import hooks, native_walk
 from ..capture.lower import EagerOnly, Request, lower
 from ..capture.native_walk import NATIVE, PYTHON
-from ..capture.walk import CPP, mark_hooked_released, release_saved, tensor_meta, walk
+from ..capture.walk import CPP, mark_hooked_released, release_plan, release_planned, release_saved, tensor_meta, walk
 from ..degrade import report
 from ..distributed import graph_task
 from ..fusion.partition import plan_fusion
@@ -169,14 +170,45 @@ def _run(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend: st
     return _execute(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
 
 
+class PythonBinding:
+    """A Python walk's bind, fixed at capture for every hit of its key: the argument list as one
+    C-level itemgetter over the walk's saved tensors, the gradients and (for opaque nodes) the
+    nodes, where arg_plan's comprehension tests each argument's kind; and the release_plan()."""
+
+    __slots__ = ("get", "single", "with_nodes", "release")
+
+    def __init__(self, w, entry: Entry, num_grads: int):
+        offsets = {"saved": 0, "grad": len(w.saved), "node": len(w.saved) + num_grads}
+        positions = [offsets[kind] + i for kind, i in entry.arg_plan]
+        self.get = operator.itemgetter(*positions) if positions else None
+        self.single = len(positions) == 1  # then itemgetter returns the item, not a tuple
+        self.with_nodes = any(kind == "node" for kind, _ in entry.arg_plan)
+        self.release = release_plan(w, entry.functional_nodes)
+
+    def arguments(self, w, grads) -> list:
+        if self.get is None:
+            return []
+        pool = [*w.saved, *grads, *w.nodes] if self.with_nodes else [*w.saved, *grads]
+        return [self.get(pool)] if self.single else list(self.get(pool))
+
+
 def bind(w, entry: Entry, grads, release: bool) -> list:
     """The program's argument list from this walk; afterwards it holds the only references. With
     `release` (no retain_graph), the functional nodes then free their saved values: the program
     owns what it reads, and a functional node never looks at its saved tensors again."""
-    if entry.native_arguments is not None and isinstance(w, native_walk.NativeWalk):
-        args = w.arguments(entry.native_arguments, grads if type(grads) is list else list(grads), release)
-        if args is not None:
-            return args
+    if isinstance(w, native_walk.NativeWalk):
+        if entry.native_arguments is not None:
+            args = w.arguments(entry.native_arguments, grads if type(grads) is list else list(grads), release)
+            if args is not None:
+                return args
+    elif (binding := entry.python_binding) is not None:
+        args = binding.arguments(w, grads)
+        w.saved.clear()  # from here the argument list holds the only program references
+        if release:
+            release_planned(w, binding.release)
+            if w.hooked:
+                mark_hooked_released([w.nodes[i] for i in entry.functional_nodes if i in w.hooked])
+        return args
     saved, nodes = w.saved, w.nodes
     args = [saved[i] if kind == "saved" else grads[i] if kind == "grad" else nodes[i] for kind, i in entry.arg_plan]
     saved.clear()  # from here the argument list holds the only program references
@@ -285,6 +317,8 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
             entry.arg_plan = [(kind, perm[i]) if kind == "saved" else (kind, i) for kind, i in entry.arg_plan]
             entry.native_arguments = native_walk.argument_plan(entry.arg_plan, entry.functional_nodes)
             entry.keepalive = py_key  # holds the Python classes whose addresses the native key names
+    elif entry.program is not None:
+        entry.python_binding = PythonBinding(w, entry, len(grads))
     if flags.debug_level() >= 2 and entry.program is not None:
         print(f"[gpuautograd] captured program:\n{entry.program}")
         if isinstance(entry.compiled, FusedProgram):

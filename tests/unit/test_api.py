@@ -82,6 +82,52 @@ def test_saved_activations_are_freed_after_backward_while_loss_is_held():
     assert loss.grad_fn is not None  # the user still holds the loss
 
 
+def _freed_saved_values(root) -> list[str]:
+    """Every saved tensor of the graph under `root` that reads as freed, by node name."""
+    freed, seen, todo = [], set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+        for name in dir(node):
+            if name.startswith("_raw_saved_"):
+                try:
+                    getattr(node, "_saved_" + name[len("_raw_saved_") :])
+                except RuntimeError as e:
+                    assert "second time" in str(e)
+                    freed.append(f"{node.name()}.{name[len('_raw_saved_') :]}")
+    return sorted(freed)
+
+
+@pytest.mark.usefixtures("walker")
+def test_a_hit_releases_what_eager_releases_with_none_and_listed_saved_tensors():
+    # The Python walk fixes at capture which saved values to free on a hit (the key tells a None
+    # apart); a plan that skipped a node, or freed a None, would show here.
+    x, index, target = rand(6, 5), torch.tensor([0, 2, 2]), torch.tensor([1, 0, 4])
+
+    def forward():
+        h = x.exp()  # ExpBackward0 saves it (its result)
+        logits = (h[index] * h[index].sigmoid()).log_softmax(-1)  # IndexBackward0 saves a list of index tensors
+        return h, torch.nn.functional.nll_loss(logits, target)  # NllLossBackward0's weight is None
+
+    h, loss = forward()
+    loss.backward()
+    eager = _freed_saved_values(loss.grad_fn)
+    assert "ExpBackward0.result" in eager and "NllLossBackward0.self" in eager
+    for _ in range(3):  # the capture, then hits
+        h, loss = forward()
+        ref = StorageWeakRef(h.untyped_storage())
+        del h
+        gpuautograd.backward(loss)
+        assert ref.expired(), "the saved activation must be released like eager does"
+        assert _freed_saved_values(loss.grad_fn) == eager
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+    assert gpuautograd.stats()["cache_hits"] == 2
+
+
 def test_inputs_restricts_accumulation_and_fills_nonleaf_grads():
     (x, w, b), h = graph()
     z = h * 2

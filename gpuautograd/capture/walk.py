@@ -142,20 +142,26 @@ def walk(root_nodes) -> Walk:
         if n not in index:
             index[n] = len(nodes)
             nodes.append(n)
+    count = len(nodes)
     for node in nodes:  # grows while we iterate: breadth-first discovery order
         cls = type(node)
         info = known.get(cls) or node_class(node)
         classes.append(info)
-        edges = []
-        for nxt, nr in node.next_functions:
-            if nxt is None:
-                edges.append(None)
-                continue
-            j = index.get(nxt)
-            if j is None:
-                j = index[nxt] = len(nodes)
-                nodes.append(nxt)
-            edges.append((j, nr))
+        kind = info.kind
+        if kind is ACCUMULATE:  # a sink: no edges to read
+            edges = ()
+        else:
+            edges = []
+            for nxt, nr in node.next_functions:
+                if nxt is None:
+                    edges.append(None)
+                    continue
+                j = index.setdefault(nxt, count)
+                if j == count:
+                    nodes.append(nxt)
+                    count += 1
+                edges.append((j, nr))
+            edges = tuple(edges)
         try:
             ims = node._input_metadata
             if len(ims) == 1:
@@ -166,8 +172,8 @@ def walk(root_nodes) -> Walk:
         except RuntimeError as e:  # a nested tensor's metadata has no plain shape
             w.hook_reason = w.hook_reason or f"{info.name} takes a gradient this walk cannot describe ({e})"
             metas = ()
-        kind = info.kind
-        saved_start.append(len(saved))
+        start = len(saved)
+        saved_start.append(start)
         if kind is CPP:
             if saved_hooks and info.raw_names and has_unpack_hook(node, info):
                 # Reading _saved_<name> would run the unpack hook (a checkpoint recomputes its
@@ -179,10 +185,10 @@ def walk(root_nodes) -> Walk:
                     try:
                         extra = info.key(node, saved)
                     except AttributeError:  # a list of tensors
-                        del saved[saved_start[-1] :]
+                        del saved[start:]
                         extra = tuple(map(saved_key, info.read(node), info.tensor_flags, repeat(saved)))
                 except RuntimeError as e:
-                    extra = _unreadable(saved, saved_start[-1], e)
+                    extra = _unreadable(saved, start, e)
                 else:
                     if detached and (reason := detached_saved_reason(node, info)):
                         w.hook_reason = w.hook_reason or reason
@@ -192,7 +198,7 @@ def walk(root_nodes) -> Walk:
             extra = tuple(node.needs_input_grad)
             if saved_hooks and has_unpack_hook(node, info) and _note_hooked(w, node):  # opaque anyway
                 extra = (*extra, "released")
-        key.append((cls, tuple(edges), metas, extra))
+        key.append((cls, edges, metas, extra))
     for t in hooks.tracked_tensors():
         j = index.get(t.grad_fn)
         if j is None:

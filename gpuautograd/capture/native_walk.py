@@ -50,7 +50,7 @@ class NativeWalk:
         self.hook_reason = nw.fallback
         self.grad_dtypes = ()
         if hooks.grad_dtype_seen:  # the native key holds no leaf's grad_dtype: read once one was ever set
-            self.grad_dtypes = _leaf_grad_dtypes(nw)
+            self.grad_dtypes = leaf_grad_dtypes(nw)
             if any(d is None for _, d in self.grad_dtypes):
                 self.hook_reason = self.hook_reason or GRAD_DTYPE_ANY_REASON
         self.retained = []
@@ -81,7 +81,7 @@ class NativeWalk:
         self.native.release(list(indices))
 
 
-def _leaf_grad_dtypes(nw) -> tuple:
+def leaf_grad_dtypes(nw) -> tuple:
     """(node index, grad_dtype) of each leaf whose grad_dtype is not its dtype."""
     out = []
     for i in range(len(nw)):
@@ -93,11 +93,12 @@ def _leaf_grad_dtypes(nw) -> tuple:
     return tuple(out)
 
 
-def walk(roots, inputs, grads) -> tuple[NativeWalk | None, str | None]:
+def walk(roots, inputs, grads, walked=None) -> tuple[NativeWalk | None, str | None]:
     """The native walk of `roots`' graph, keyed with the incoming `grads`, or (None, why) when it
-    can't read this graph; the Python walk then runs."""
+    can't read this graph; the Python walk then runs. `walked`: the extension's walk of these
+    arguments, when the caller made it already."""
     try:
-        nw = native.load().walk(list(roots), list(inputs), grads)
+        nw = walked if walked is not None else native.load().walk(list(roots), list(inputs), grads)
     except RuntimeError as e:
         # compiled_args refused a node: a saved value an earlier grad() freed (the Python walk
         # raises only if that node runs), or a node it can't visit (CopySlices with a view_fn).

@@ -182,6 +182,85 @@ def test_a_graph_larger_than_the_walkers_first_node_table_hits_and_matches_eager
     assert s["walker"] == walker and s["fallbacks"] == {}, s
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_a_plain_hit_takes_the_short_path_and_matches_eager(name, monkeypatch):
+    """A backward whose cached plan sends every result to a leaf never reaches prepare(): the short
+    path builds the same key the general path cached (a key that differed would miss there and
+    fall through, correct but slow)."""
+    _use("native", monkeypatch)
+    gpuautograd.reset()
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE[name]()
+    batch = make_batch(torch.Generator().manual_seed(0))
+    gpuautograd.backward(loss_fn(model, *batch))  # the capture takes the general path
+
+    def no_general_path(*args, **kwargs):
+        raise AssertionError("a plain hit reached prepare()")
+
+    monkeypatch.setattr(engine, "prepare", no_general_path)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss_fn(model, *batch).backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        gpuautograd.backward(loss_fn(model, *batch))
+        for p, e in zip(model.parameters(), expected):
+            assert_close(p.grad, e)
+    s = gpuautograd.stats()
+    assert (s["captures"], s["cache_hits"], s["walker"]) == (1, 2, "native"), s
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+@pytest.mark.parametrize("case", ["custom Function", "retained grad", "node hook"])
+def test_a_hit_the_short_path_declines_walks_once(case, monkeypatch):
+    """An opaque node, a retained gradient or a hook sends the backward down the general path,
+    which goes on with the short path's walk: one native walk per backward, not two."""
+    _use("native", monkeypatch)
+    gpuautograd.reset()
+    ext = native.load()
+    walks = []
+    real_walk = ext.walk
+
+    def counting_walk(*args):
+        walks.append(1)
+        return real_walk(*args)
+
+    monkeypatch.setattr(ext, "walk", counting_walk)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+
+    def run(backward):
+        x.grad = None
+        h = torch.tanh(x * 1.5)
+        if case == "custom Function":
+            h = _Double.apply(h)
+        elif case == "retained grad":
+            h.retain_grad()
+        else:
+            h.grad_fn.register_prehook(lambda grads: None)
+        backward((h * h).sum())
+        return x.grad.clone(), h.grad.clone() if h.grad is not None else None
+
+    for k in range(3):
+        expected = run(lambda loss: loss.backward())
+        walks.clear()
+        got = run(gpuautograd.backward)
+        assert len(walks) == 1, f"backward {k} walked the graph {len(walks)} times"
+        assert_close(got[0], expected[0])
+        if expected[1] is not None:
+            assert_close(got[1], expected[1])
+
+
 def _native_only(monkeypatch):
     _use("native", monkeypatch)
 

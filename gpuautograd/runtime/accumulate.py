@@ -77,9 +77,9 @@ class AddInPlace:
         self.grads: list[torch.Tensor] = []
         self.news: list[torch.Tensor] = []
 
-    def take(self, variable: torch.Tensor, new_grad: torch.Tensor) -> bool:
-        existing = variable.grad
-        if existing is None or existing.layout != torch.strided or new_grad.layout != torch.strided:
+    def take(self, existing: torch.Tensor, new_grad: torch.Tensor) -> bool:
+        """Queue `existing += new_grad` (a leaf's .grad, not None), when both are dense."""
+        if existing.layout != torch.strided or new_grad.layout != torch.strided:
             return False
         self.grads.append(existing)
         self.news.append(new_grad)

@@ -301,8 +301,10 @@ def _deliver(w, entry: Entry, outs: list, inputs, accumulate: bool, input_edges)
                 retained[edge] = t
     results = []
     adds = AddInPlace()
-    nodes = w.nodes
-    with torch.no_grad():
+    nodes, strided = w.nodes, torch.strided
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # as torch.no_grad(), without its context object
+    try:
         for g, (kind, i, slot, owned, _) in zip(outs, entry.sinks):
             if kind == "input":
                 results.append(g)
@@ -312,11 +314,21 @@ def _deliver(w, entry: Entry, outs: list, inputs, accumulate: bool, input_edges)
                 variable = nodes[i].variable
                 if not variable.requires_grad:
                     continue  # frozen after the forward: AccumulateGrad skips it too
-                if not adds.take(variable, g):
+                existing = variable.grad
+                if existing is None:
+                    # accumulate_grad's common case inline: a fresh gradient with the variable's
+                    # layout becomes .grad (a frame and a second .grad read less per leaf)
+                    if owned and g.layout == strided and g.stride() == variable.stride() and variable.is_contiguous():
+                        variable.grad = g
+                    else:
+                        accumulate_grad(variable, g, owned)
+                elif not adds.take(existing, g):
                     accumulate_grad(variable, g, owned)
             elif kind == "retain":
                 retain_grad(retained[(i, slot)], g)
         adds.run()
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
     return None if accumulate else results
 
 

@@ -22,12 +22,22 @@ from .reference_folds import plan_folds
 # reference implementation's result (ir/ops.py). `torch_...` globals are torch functions bound once;
 # `torch_linear` only serves the folds of reference_folds.py.
 _BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}"}
+_BINARY.update({"eq": "{} == {}", "ne": "{} != {}", "lt": "{} < {}", "le": "{} <= {}", "gt": "{} > {}", "ge": "{} >= {}"})
+# Ops that are one torch function of their operands with `dim` before them: the function as is,
+# not a wrapper taking `dim` as a keyword (gnn's scatter-mean backward is five of them).
+_DIM_FIRST = {"gather": "torch_gather", "index_select": "torch_index_select"}
+_DIM_SECOND = {"scatter": "torch_scatter", "scatter_add": "torch_scatter_add"}
 _GLOBALS = {
     "torch": torch,
     "torch_sum": torch.sum,
     "torch_mm": torch.mm,
     "torch_bmm": torch.bmm,
     "torch_linear": torch.nn.functional.linear,
+    "torch_where": torch.where,
+    "torch_gather": torch.gather,
+    "torch_index_select": torch.index_select,
+    "torch_scatter": torch.scatter,
+    "torch_scatter_add": torch.scatter_add,
 }
 
 
@@ -53,7 +63,24 @@ def _inline(op: str, args: list[str], attrs: dict) -> str | None:
         return f"{args[0]}.to({attrs['dtype']})"  # repr: torch.float32
     if op in ("mm", "bmm"):
         return f"torch_{op}({args[0]}, {args[1]})"
+    if op == "where":
+        return f"torch_where({', '.join(args)})"
+    if op in _DIM_FIRST:  # (x, index): torch.gather(x, dim, index), torch.index_select(x, dim, index)
+        return f"{_DIM_FIRST[op]}({args[0]}, {attrs['dim']!r}, {args[1]})"
+    if op in _DIM_SECOND:  # (base, index, src): torch.scatter_add(base, dim, index, src)
+        return f"{_DIM_SECOND[op]}({args[0]}, {attrs['dim']!r}, {args[1]}, {args[2]})"
+    if op == "slice":
+        return _basic_slice(args[0], attrs)
     return None
+
+
+def _basic_slice(src: str, attrs: dict) -> str | None:
+    """aten.slice(x, dim, start, end, step) as Python's basic indexing, which calls that very op
+    (negative bounds wrap, both are clamped to the size): a third of its cost through the wrapper."""
+    dim, start, end, step = (attrs[k] for k in ("dim", "start", "end", "step"))
+    if not all(type(v) is int for v in (dim, start, end, step)) or dim < 0 or step < 1:
+        return None
+    return f"{src}[{':, ' * dim}{start}:{end}:{step}]"
 
 
 def inline_view(op: str, src: str, attrs: dict) -> str | None:

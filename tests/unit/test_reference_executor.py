@@ -1,5 +1,6 @@
-"""The reference executor writes arithmetic, views, sums, casts and matmuls as Python expressions
-(runtime/reference.py): each gives exactly what the op's reference implementation gives."""
+"""The reference executor writes arithmetic, comparisons, views, slices, sums, casts, matmuls and
+the dim-taking index ops as Python expressions (runtime/reference.py): each gives exactly what the
+op's reference implementation gives."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def _program():
     b = Builder()
     x = b.input(TensorType((3, 4), torch.float64, torch.device("cpu")), InputSpec("saved", 0))
     y = b.input(TensorType((4, 5), torch.float32, torch.device("cpu")), InputSpec("saved", 1))
+    index = b.input(TensorType((3, 4), torch.int64, torch.device("cpu")), InputSpec("saved", 2))
+    rows = b.input(TensorType((5,), torch.int64, torch.device("cpu")), InputSpec("saved", 3))
     outs = [
         b.sub(1.0, x),  # a scalar on the left
         b.mul(x, -0.5),  # a negative literal on the right
@@ -27,10 +30,40 @@ def _program():
         b.expand(b.reshape(x, (3, 1, 4)), (3, 2, 4)),
         b.mm(b.cast(x, torch.float32), y),
         b.cast(b.mul(b.sum(x, (0, 1)), float("inf")), torch.bfloat16),
+        b.slice(x, 1, 1, 3),
+        b.slice(x, -2, -2, 2**62, 2),  # negative bounds wrap, the end is clamped
+        b.slice(y, 0, 5, 9),  # empty: past the size
+        b.where(b.le(x, 0.0), 1.0, x),
+        b.where(b.eq(0.5, x), x, b.neg(x)),  # a scalar on the left
+        b.lt(x, b.neg(x)),
+        b.mul(b.cast(b.ne(x, 0.25), torch.float64), b.cast(b.ge(x, 0.0), torch.float64)),
+        b.gt(x, 0.0),
+        b.gather(x, 1, index),
+        b.scatter_add(x, 1, index, b.neg(x)),
+        b.scatter(x, 1, b.slice(index, 0, 0, 2), b.neg(x)),
+        b.emit("index_select", y, rows, dim=0),
+        b.emit("index_select", x, rows, dim=1),
     ]
     for k, v in enumerate(outs):
         b.output(v, OutputSpec("input", k))
     return b.program
+
+
+_INLINED = (
+    "= 1.0 - s0",
+    "s0 * -0.5",
+    "torch_mm(",
+    "s0[:, 1:3:1]",
+    "s0[-2:4611686018427387904:2]",
+    " == s0",
+    "s0 <= 0.0",
+    "torch_where(",
+    "torch_gather(s0, 1, s2)",
+    "torch_scatter_add(s0, 1, s2, ",
+    "torch_scatter(s0, 1, ",
+    "torch_index_select(s1, 0, s3)",
+    "torch_index_select(s0, 1, s3)",
+)
 
 
 def _one_op_at_a_time(program, args):
@@ -44,12 +77,17 @@ def _one_op_at_a_time(program, args):
 
 def test_expressions_equal_the_reference_implementations():
     program = _program()
-    args = [torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5)]
+    x = torch.randn(3, 4, dtype=torch.float64)
+    x[0, 1], x[2, 2] = 0.5, 0.25  # ties for the comparisons
+    args = [x, torch.randn(4, 5), torch.tensor([[0, 3, 3, 1], [2, 2, 0, 1], [1, 0, 3, 3]]), torch.tensor([1, 1, 0, 3, 2])]
     compiled = compile_reference(program)
-    assert "= 1.0 - s0" in compiled.source and "s0 * -0.5" in compiled.source and "torch_mm(" in compiled.source
+    missing = [e for e in _INLINED if e not in compiled.source]
+    assert not missing and "_" + "slice" not in compiled.source, f"not inlined: {missing}\n{compiled.source}"
     got = compiled(list(args))
     for a, e in zip(got, _one_op_at_a_time(program, args)):
         assert a.dtype == e.dtype and a.shape == e.shape and a.stride() == e.stride()
+        if a.numel():
+            assert a.storage_offset() == e.storage_offset()
         torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
 
 

@@ -289,6 +289,18 @@ def _recurrent(kind, **kwargs):
     return maker
 
 
+def _bfloat16_bias(maker):
+    """`maker`'s float32 layer with its first bias in bfloat16 (torch accepts it): the gradient the
+    kernel returns in float32 must come back in bfloat16."""
+
+    def with_bias(dtype):
+        module, x, *_ = maker(dtype)
+        module.bias_ih_l0.data = module.bias_ih_l0.data.bfloat16()
+        return (module, x, *module.parameters())
+
+    return with_bias
+
+
 def _run(module, x, *params):
     out = module(x)
     if isinstance(out, tuple):  # (output, h) for GRU / RNN, (output, (h, c)) for LSTM, (h, c) for LSTMCell
@@ -318,6 +330,13 @@ RECURRENT = [
     ),
     Case(
         "lstm_batch_first_onednn", "MkldnnRnnLayerBackward0", _run, _recurrent(nn.LSTM, batch_first=True), (torch.float32, torch.bfloat16)
+    ),
+    Case(
+        "lstm_onednn_bfloat16_bias",
+        "MkldnnRnnLayerBackward0",
+        _run,
+        _bfloat16_bias(_recurrent(nn.LSTM, batch_first=True)),
+        (torch.float32,),
     ),
     Case("rnn_tanh", "TanhBackward0", _run, _recurrent(nn.RNN, num_layers=2), NO_HALF),
     Case("rnn_relu_cell", "ReluBackward0", _run, _recurrent(nn.RNNCell, nonlinearity="relu"), NO_HALF),

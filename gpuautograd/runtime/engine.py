@@ -200,6 +200,27 @@ class PythonBinding:
         return [self.get(pool)] if self.single else list(self.get(pool))
 
 
+def native_lookup(ext, roots, grads, accumulate: bool, backend: str | None) -> tuple:
+    """The short path's walk, key and lookup: (the cached entry, when it is one a plain hit runs,
+    else None; the native walk, or None when the walker refused the graph)."""
+    backend = _backend(backend, roots[0])
+    try:
+        nw = ext.walk(roots, (), grads)
+    except RuntimeError:  # the general path walks again and says why
+        return None, None
+    if nw.unsupported is not None or nw.fallback is not None:
+        return None, nw
+    if hooks.has_tracked_tensors() and any(t.retains_grad and nw.find(t) is not None for t in hooks.tracked_tensors()):
+        return None, nw  # a retained gradient in this graph
+    grad_dtypes = native_walk.leaf_grad_dtypes(nw) if hooks.grad_dtype_seen else ()
+    entry = CACHE.get((backend, accumulate, "native", nw.key, (), grad_dtypes))  # prepare()'s key (native_walk.key_of)
+    if entry is None or entry.fallback_reason or entry.opaque_nodes or entry.native_arguments is None:
+        return None, nw
+    if entry.other_sinks or entry.maybe_undefined or entry.leaf_delivery is None or not accumulate:
+        return None, nw
+    return entry, nw
+
+
 def _native_hit(ext, roots, grads, retain_graph: bool, accumulate: bool, backend: str | None) -> tuple:
     """The common backward in few steps: the native walker reads the graph, its plan is cached,
     and every result goes to a leaf's .grad (no inputs, retained grads, opaque nodes or custom
@@ -207,21 +228,8 @@ def _native_hit(ext, roots, grads, retain_graph: bool, accumulate: bool, backend
     with nothing changed, for the general path to go on. Each step the general path takes through
     prepare, _execute and _deliver costs a microsecond or more with the caches cold after a
     forward: on mlp they added up to about a tenth of eager's backward."""
-    backend = _backend(backend, roots[0])
-    try:
-        nw = ext.walk(roots, (), grads)
-    except RuntimeError:  # the general path walks again and says why
-        return False, None
-    if nw.unsupported is not None or nw.fallback is not None:
-        return False, nw
-    if hooks.has_tracked_tensors() and any(t.retains_grad and nw.find(t) is not None for t in hooks.tracked_tensors()):
-        return False, nw  # a retained gradient in this graph
-    grad_dtypes = native_walk.leaf_grad_dtypes(nw) if hooks.grad_dtype_seen else ()
-    key = (backend, accumulate, "native", nw.key, (), grad_dtypes)  # as prepare() builds it (native_walk.key_of)
-    entry = CACHE.get(key)
-    if entry is None or entry.fallback_reason or entry.opaque_nodes or entry.native_arguments is None:
-        return False, nw
-    if entry.other_sinks or entry.maybe_undefined or entry.leaf_delivery is None or not accumulate:
+    entry, nw = native_lookup(ext, roots, grads, accumulate, backend)
+    if entry is None:
         return False, nw
     st = stats_module.STATS
     st.walker = NATIVE

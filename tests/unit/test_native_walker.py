@@ -15,6 +15,7 @@ from bench.models import SUITE
 from gpuautograd import flags, native
 from gpuautograd.runtime import engine
 from tests.helpers import assert_close
+from tests.replay_cases import Double
 
 WALKERS = ("native", "python")
 
@@ -212,16 +213,6 @@ def test_a_plain_hit_takes_the_short_path_and_matches_eager(name, monkeypatch):
     assert (s["captures"], s["cache_hits"], s["walker"]) == (1, 2, "native"), s
 
 
-class _Double(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
-
-
 @pytest.mark.parametrize("case", ["custom Function", "retained grad", "node hook"])
 def test_a_hit_the_short_path_declines_walks_once(case, monkeypatch):
     """An opaque node, a retained gradient or a hook sends the backward down the general path,
@@ -243,7 +234,7 @@ def test_a_hit_the_short_path_declines_walks_once(case, monkeypatch):
         x.grad = None
         h = torch.tanh(x * 1.5)
         if case == "custom Function":
-            h = _Double.apply(h)
+            h = Double.apply(h)
         elif case == "retained grad":
             h.retain_grad()
         else:

@@ -75,10 +75,6 @@ def install() -> None:
             _tracked[id(obj)] = obj
 
 
-def has_tracked_tensors() -> bool:
-    return bool(_tracked)
-
-
 def tracked_tensors() -> list[torch.Tensor]:
     """The live non-leaf tensors that have had a hook registered or retain_grad() called."""
     if not _tracked:  # the common case, without the weak dictionary's iteration guard

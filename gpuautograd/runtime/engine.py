@@ -210,10 +210,10 @@ def native_lookup(ext, roots, grads, accumulate: bool, backend: str | None) -> t
         return None, None
     if nw.unsupported is not None or nw.fallback is not None:
         return None, nw
-    if hooks.has_tracked_tensors() and any(t.retains_grad and nw.find(t) is not None for t in hooks.tracked_tensors()):
+    if (tracked := hooks.tracked_tensors()) and any(t.retains_grad and nw.find(t) is not None for t in tracked):
         return None, nw  # a retained gradient in this graph
     grad_dtypes = native_walk.leaf_grad_dtypes(nw) if hooks.grad_dtype_seen else ()
-    entry = CACHE.get((backend, accumulate, "native", nw.key, (), grad_dtypes))  # prepare()'s key (native_walk.key_of)
+    entry = CACHE.get((backend, accumulate, *native_walk.native_key(nw, (), grad_dtypes)))  # as prepare() keys it
     if entry is None or entry.fallback_reason or entry.opaque_nodes or entry.native_arguments is None:
         return None, nw
     if entry.other_sinks or entry.maybe_undefined or entry.leaf_delivery is None or not accumulate:
@@ -235,14 +235,20 @@ def _native_hit(ext, roots, grads, retain_graph: bool, accumulate: bool, backend
     st.walker = NATIVE
     st.cache_hits += 1
     args = nw.arguments(entry.native_arguments, grads if type(grads) is list else list(grads), not retain_graph)
+    nw.deliver(entry.leaf_delivery, _run_program(entry, args))
+    return True, None
+
+
+def _run_program(entry: Entry, args: list) -> list:
+    """The plan's results; the list holds the only references to them. Eager runs backward with
+    grad mode = create_graph, which is False here. Set directly: the torch.no_grad context object
+    costs about 3 µs a call."""
     grad_mode = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        outs = list(entry.compiled(args))
+        return list(entry.compiled(args))
     finally:
         torch._C._set_grad_enabled(grad_mode)
-    nw.deliver(entry.leaf_delivery, outs)
-    return True, None
 
 
 def bind(w, entry: Entry, grads, release: bool) -> list:
@@ -272,15 +278,7 @@ def bind(w, entry: Entry, grads, release: bool) -> list:
 
 def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: bool, input_edges):
     """Run the plan on this walk's tensors and deliver the gradients (the part after the lookup)."""
-    args = bind(w, entry, grads, release=not retain_graph)
-    # Eager runs backward with grad mode = create_graph, which is False here. Set directly: the
-    # torch.no_grad context object costs about 3 µs a call.
-    grad_mode = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
-    try:
-        outs = list(entry.compiled(args))  # the list holds the only references to the results
-    finally:
-        torch._C._set_grad_enabled(grad_mode)
+    outs = _run_program(entry, bind(w, entry, grads, release=not retain_graph))
     if not retain_graph and entry.opaque_nodes:
         _release(w, entry.opaque_nodes)
     return _deliver(w, entry, outs, inputs, accumulate, input_edges)
@@ -309,7 +307,7 @@ def _deliver(w, entry: Entry, outs: list, inputs, accumulate: bool, input_edges)
                 retained[edge] = t
     results = []
     adds = AddInPlace()
-    nodes, strided = w.nodes, torch.strided
+    nodes = w.nodes
     grad_mode = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # as torch.no_grad(), without its context object
     try:
@@ -323,14 +321,7 @@ def _deliver(w, entry: Entry, outs: list, inputs, accumulate: bool, input_edges)
                 if not variable.requires_grad:
                     continue  # frozen after the forward: AccumulateGrad skips it too
                 existing = variable.grad
-                if existing is None:
-                    # accumulate_grad's common case inline: a fresh gradient with the variable's
-                    # layout becomes .grad (a frame and a second .grad read less per leaf)
-                    if owned and g.layout == strided and g.stride() == variable.stride() and variable.is_contiguous():
-                        variable.grad = g
-                    else:
-                        accumulate_grad(variable, g, owned)
-                elif not adds.take(existing, g):
+                if existing is None or not adds.take(existing, g):
                     accumulate_grad(variable, g, owned)
             elif kind == "retain":
                 retain_grad(retained[(i, slot)], g)

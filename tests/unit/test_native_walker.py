@@ -4,6 +4,7 @@ the captured program; hooks only the native walker sees; the build, its flag and
 from __future__ import annotations
 
 import warnings
+from itertools import repeat
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 import gpuautograd
 from bench.models import SUITE
 from gpuautograd import flags, native
+from gpuautograd.capture import walk as walk_module
 from gpuautograd.runtime import engine
 from tests.helpers import assert_close
 from tests.replay_cases import Double
@@ -181,6 +183,34 @@ def test_a_graph_larger_than_the_walkers_first_node_table_hits_and_matches_eager
     s = gpuautograd.stats()
     assert (s["captures"], s["cache_hits"]) == (1, 1), s
     assert s["walker"] == walker and s["fallbacks"] == {}, s
+
+
+def _tensor_id(t: torch.Tensor) -> tuple:
+    # a saved output unpacks into a new tensor object per read: tell tensors apart by their data
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+@pytest.mark.parametrize("name", sorted(SUITE))
+def test_the_python_walks_generated_keys_match_saved_key(name):
+    """Each node class's generated key function is saved_key() inlined: the same key and the same
+    saved tensors in the same order, which lower.py's slots (assigned through saved_key) rely on."""
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE[name]()
+    loss = loss_fn(model, *make_batch(torch.Generator().manual_seed(0)))
+    w = walk_module.walk([loss.grad_fn])
+    checked = 0
+    for node, info in zip(w.nodes, w.classes):
+        if info.kind is not walk_module.CPP:
+            continue
+        generated, general = [], []
+        try:
+            key = info.key(node, generated)
+        except AttributeError:  # a list of tensors: the walk takes saved_key() itself
+            continue
+        assert key == tuple(map(walk_module.saved_key, info.read(node), info.tensor_flags, repeat(general))), info.name
+        assert [_tensor_id(t) for t in generated] == [_tensor_id(t) for t in general], info.name
+        checked += 1
+    assert checked > 0
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])

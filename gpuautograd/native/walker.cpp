@@ -49,6 +49,34 @@ enum Tag : uint8_t {
   kGrad,    // an incoming gradient of a root
 };
 
+// A key's digest for the plan cache's lookup: four multiply-xor lanes over its 8-byte words. Not
+// a guard (a digest match is compared in full), so it needs speed and spread, not strength.
+uint64_t digest_bytes(const char* data, size_t size) {
+  constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;
+  uint64_t lanes[4] = {size, size ^ 0xC2B2AE3D27D4EB4Full, size ^ 0x165667B19E3779F9ull, size ^ 0x27D4EB2F165667C5ull};
+  size_t i = 0;
+  for (; i + 32 <= size; i += 32) {
+    for (int l = 0; l < 4; ++l) {
+      uint64_t w;
+      std::memcpy(&w, data + i + 8 * l, 8);
+      lanes[l] = (lanes[l] ^ w) * kMul;
+      lanes[l] ^= lanes[l] >> 29;
+    }
+  }
+  uint64_t tail = 0;
+  std::memcpy(&tail, data + i, std::min<size_t>(size - i, 8));
+  uint64_t h = (lanes[0] ^ tail) * kMul;
+  for (size_t j = i + 8; j < size; j += 8) {  // at most three more words
+    uint64_t w = 0;
+    std::memcpy(&w, data + j, std::min<size_t>(size - j, 8));
+    h = ((h ^ w) * kMul) ^ (h >> 31);
+  }
+  for (int l = 1; l < 4; ++l) {
+    h = ((h ^ lanes[l]) * kMul) ^ (h >> 31);
+  }
+  return h ^ (h >> 33);
+}
+
 class KeyWriter {
  public:
   KeyWriter() : bytes_(static_cast<char*>(std::malloc(kInitial))), capacity_(kInitial) {
@@ -75,6 +103,15 @@ class KeyWriter {
     append(data, size);
   }
   py::bytes bytes() const { return py::bytes(bytes_, size_); }
+  uint64_t digest() const { return digest_bytes(bytes_, size_); }
+  bool equals(const py::bytes& other) const {
+    char* data = nullptr;
+    Py_ssize_t size = 0;
+    if (PyBytes_AsStringAndSize(other.ptr(), &data, &size) != 0) {
+      throw py::error_already_set();
+    }
+    return static_cast<size_t>(size) == size_ && std::memcmp(data, bytes_, size_) == 0;
+  }
 
  private:
   static constexpr size_t kInitial = 16384;  // gpt's key is 13 kB
@@ -122,35 +159,31 @@ std::optional<std::string> layout_problem(const at::Tensor& t, const Where& wher
   return os.str();
 }
 
-// One upload group of a bound plan's pointer table (runtime/replay.py): slot lo + k holds the
-// address of the call's tensor `names[k]` plus the view's byte offset `deltas[k]`. The addresses
-// must keep the promises the captured kernels were built on: 16-byte alignment where a kernel
-// vectorizes, and the same address where a library call reads a parameter in place.
-class TableGroup {
+// The words of some pointer-table slots (runtime/replay.py): slot lo + k holds the address of
+// the k-th tensor plus the view's byte offset `deltas[k]`, or, for a value slot, the bits of a 0-dim
+// host tensor. The addresses must keep the promises the captured kernels were built on: 16-byte
+// alignment where a kernel vectorizes, and the same address where a library call reads a
+// parameter in place.
+class SlotFill {
  public:
-  TableGroup(std::vector<py::object> names, std::vector<int64_t> deltas, std::vector<bool> values, std::vector<int64_t> aligned,
-             std::vector<int64_t> pinned_slots, std::vector<int64_t> pinned_addresses, int64_t alignment)
-      : names_(std::move(names)), deltas_(std::move(deltas)), values_(std::move(values)), aligned_(std::move(aligned)),
-        pinned_slots_(std::move(pinned_slots)), pinned_addresses_(std::move(pinned_addresses)), alignment_(alignment) {
-    TORCH_CHECK(names_.size() == deltas_.size() && names_.size() == values_.size() && pinned_slots_.size() == pinned_addresses_.size(),
-                "TableGroup: lengths differ");
+  SlotFill(std::vector<int64_t> deltas, std::vector<bool> values, std::vector<int64_t> aligned, std::vector<int64_t> pinned_slots,
+           std::vector<int64_t> pinned_addresses, int64_t alignment)
+      : deltas_(std::move(deltas)), values_(std::move(values)), aligned_(std::move(aligned)), pinned_slots_(std::move(pinned_slots)),
+        pinned_addresses_(std::move(pinned_addresses)), alignment_(alignment) {
+    TORCH_CHECK(deltas_.size() == values_.size() && pinned_slots_.size() == pinned_addresses_.size(), "SlotFill: lengths differ");
   }
 
-  // Writes the group's slots into `table` (a host int64 tensor); false, with nothing written, when
-  // a promise is broken: the caller then finds and names what moved.
-  bool fill(at::Tensor& table, int64_t lo, py::dict call) const {
-    TORCH_CHECK(table.scalar_type() == at::kLong && table.is_cpu() && lo + static_cast<int64_t>(names_.size()) <= table.numel(),
-                "TableGroup.fill: the table is not a host int64 tensor with room for the group");
-    scratch_.resize(names_.size());
-    for (size_t k = 0; k < names_.size(); ++k) {
-      PyObject* t = PyDict_GetItemWithError(call.ptr(), names_[k].ptr());
-      if (t == nullptr) {
-        if (PyErr_Occurred()) {
-          throw py::error_already_set();
-        }
-        throw py::key_error(py::str(names_[k]));
-      }
-      const at::Tensor& tensor = THPVariable_Unpack(t);
+  size_t size() const { return deltas_.size(); }
+
+  // Writes the slots into `table` (a host int64 tensor), slot k from `tensor_at(k)`; false, with
+  // nothing written, when a promise is broken: the caller then finds and names what moved.
+  template <typename TensorAt>
+  bool fill(at::Tensor& table, int64_t lo, const TensorAt& tensor_at) const {
+    TORCH_CHECK(table.scalar_type() == at::kLong && table.is_cpu() && lo + static_cast<int64_t>(size()) <= table.numel(),
+                "the pointer table is not a host int64 tensor with room for the slots");
+    scratch_.resize(size());
+    for (size_t k = 0; k < size(); ++k) {
+      const at::Tensor& tensor = tensor_at(k);
       if (!values_[k]) {
         scratch_[k] = reinterpret_cast<int64_t>(tensor.data_ptr()) + deltas_[k];
       } else if (!value_bits(tensor, scratch_[k])) {
@@ -188,12 +221,40 @@ class TableGroup {
     }
   }
 
-  std::vector<py::object> names_;
   std::vector<int64_t> deltas_;
   std::vector<bool> values_;
   std::vector<int64_t> aligned_, pinned_slots_, pinned_addresses_;
   int64_t alignment_;
   mutable std::vector<int64_t> scratch_;  // calls of one plan take turns (its lock)
+};
+
+// One upload group of a bound plan's pointer table: slot k from the call's tensor `names[k]`.
+class TableGroup {
+ public:
+  TableGroup(std::vector<py::object> names, std::vector<int64_t> deltas, std::vector<bool> values, std::vector<int64_t> aligned,
+             std::vector<int64_t> pinned_slots, std::vector<int64_t> pinned_addresses, int64_t alignment)
+      : names_(std::move(names)),
+        slots_(std::move(deltas), std::move(values), std::move(aligned), std::move(pinned_slots), std::move(pinned_addresses), alignment) {
+    TORCH_CHECK(names_.size() == slots_.size(), "TableGroup: lengths differ");
+  }
+
+  // False, with nothing written, when a promise is broken.
+  bool fill(at::Tensor& table, int64_t lo, py::dict call) const {
+    return slots_.fill(table, lo, [&](size_t k) -> const at::Tensor& {
+      PyObject* t = PyDict_GetItemWithError(call.ptr(), names_[k].ptr());
+      if (t == nullptr) {
+        if (PyErr_Occurred()) {
+          throw py::error_already_set();
+        }
+        throw py::key_error(py::str(names_[k]));
+      }
+      return THPVariable_Unpack(t);
+    });
+  }
+
+ private:
+  std::vector<py::object> names_;
+  SlotFill slots_;
 };
 
 // The fresh output buffers of one bound-plan call (runtime/replay.py): allocated and put into the
@@ -222,6 +283,80 @@ class FreshBuffers {
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<at::ScalarType> dtypes_;
   at::Device device_;
+};
+
+// A bound plan's replay on the native short path, planned at the plan's first replay
+// (runtime/replay.py): the call's tensors are the program's arguments, then its fresh result
+// buffers; table slot k holds an address in tensor `slot_sources[k]`; result j is tensor
+// `out_sources[j]` itself (-1: None) or, where `out_views[j]`, the view of it with the given sizes,
+// strides and storage offset past its own. No tensor of the call becomes a Python object.
+class ReplayPlan {
+ public:
+  ReplayPlan(int64_t num_args, std::vector<std::vector<int64_t>> fresh_shapes, std::vector<at::ScalarType> fresh_dtypes, at::Device device,
+             std::vector<int64_t> slot_sources, std::vector<int64_t> deltas, std::vector<bool> values, std::vector<int64_t> aligned,
+             std::vector<int64_t> pinned_slots, std::vector<int64_t> pinned_addresses, int64_t alignment, std::vector<int64_t> out_sources,
+             std::vector<bool> out_views, std::vector<std::vector<int64_t>> out_sizes, std::vector<std::vector<int64_t>> out_strides,
+             std::vector<int64_t> out_offsets)
+      : num_args_(num_args), fresh_shapes_(std::move(fresh_shapes)), fresh_dtypes_(std::move(fresh_dtypes)), device_(device),
+        slot_sources_(std::move(slot_sources)),
+        slots_(std::move(deltas), std::move(values), std::move(aligned), std::move(pinned_slots), std::move(pinned_addresses), alignment),
+        out_sources_(std::move(out_sources)), out_views_(std::move(out_views)), out_sizes_(std::move(out_sizes)),
+        out_strides_(std::move(out_strides)), out_offsets_(std::move(out_offsets)) {
+    auto tensors = num_args_ + static_cast<int64_t>(fresh_shapes_.size());
+    TORCH_CHECK(fresh_shapes_.size() == fresh_dtypes_.size() && slot_sources_.size() == slots_.size(), "ReplayPlan: lengths differ");
+    TORCH_CHECK(out_views_.size() == out_sources_.size() && out_sizes_.size() == out_sources_.size() &&
+                    out_strides_.size() == out_sources_.size() && out_offsets_.size() == out_sources_.size(),
+                "ReplayPlan: result lengths differ");
+    for (auto k : slot_sources_) {
+      TORCH_CHECK(k >= 0 && k < tensors, "ReplayPlan: slot source ", k, " is not one of the call's ", tensors, " tensors");
+    }
+    for (auto k : out_sources_) {
+      TORCH_CHECK(k >= -1 && k < tensors, "ReplayPlan: result source ", k, " is not one of the call's ", tensors, " tensors");
+    }
+  }
+
+  int64_t num_args() const { return num_args_; }
+
+  // Appends the fresh buffers to `tensors` (the arguments) and fills the table from them; false,
+  // with `tensors` as it came, when an address broke a promise.
+  bool bind(std::vector<at::Tensor>& tensors, at::Tensor& table, int64_t lo) const {
+    TORCH_CHECK(static_cast<int64_t>(tensors.size()) == num_args_, "ReplayPlan.bind: ", tensors.size(), " arguments for ", num_args_);
+    for (size_t k = 0; k < fresh_shapes_.size(); ++k) {
+      tensors.push_back(at::empty(fresh_shapes_[k], at::TensorOptions().dtype(fresh_dtypes_[k]).device(device_)));
+    }
+    if (!slots_.fill(table, lo, [&](size_t k) -> const at::Tensor& { return tensors[slot_sources_[k]]; })) {
+      tensors.resize(num_args_);
+      return false;
+    }
+    return true;
+  }
+
+  // The program's results from the call's tensors, which it then lets go of.
+  std::vector<at::Tensor> results(std::vector<at::Tensor>& tensors) const {
+    std::vector<at::Tensor> out(out_sources_.size());
+    for (size_t j = 0; j < out.size(); ++j) {
+      auto k = out_sources_[j];
+      if (k < 0) {
+        continue;
+      }
+      const at::Tensor& t = tensors.at(k);
+      out[j] = out_views_[j] ? at::as_strided(t, out_sizes_[j], out_strides_[j], t.storage_offset() + out_offsets_[j]) : t;
+    }
+    tensors.clear();
+    return out;
+  }
+
+ private:
+  int64_t num_args_;
+  std::vector<std::vector<int64_t>> fresh_shapes_;
+  std::vector<at::ScalarType> fresh_dtypes_;
+  at::Device device_;
+  std::vector<int64_t> slot_sources_;
+  SlotFill slots_;
+  std::vector<int64_t> out_sources_;
+  std::vector<bool> out_views_;
+  std::vector<std::vector<int64_t>> out_sizes_, out_strides_;
+  std::vector<int64_t> out_offsets_;
 };
 
 // The argument list a captured program expects, in its order: each entry names a saved tensor of
@@ -269,16 +404,41 @@ class LeafDelivery {
   // it delivers: a gradient nothing else holds then has use_count 1 and becomes .grad uncopied.
   template <typename NodeAt>
   void run(py::list outs, const NodeAt& node_at) const {
+    TORCH_CHECK(std::all_of(output_.begin(), output_.end(), [&](int64_t j) { return j < PyList_GET_SIZE(outs.ptr()); }),
+                "LeafDelivery: fewer results than the plan delivers");
+    run_from(
+        [&](int64_t j) {
+          PyObject* item = PyList_GET_ITEM(outs.ptr(), j);
+          if (item == Py_None) {
+            return at::Tensor();
+          }
+          at::Tensor grad = THPVariable_Unpack(item);
+          Py_INCREF(Py_None);
+          PyList_SetItem(outs.ptr(), j, Py_None);  // drops the list's reference
+          return grad;
+        },
+        node_at);
+  }
+
+  // The same from results held in C++, which lose the entries delivered.
+  template <typename NodeAt>
+  void run(std::vector<at::Tensor>& outs, const NodeAt& node_at) const {
+    run_from([&](int64_t j) { return std::move(outs.at(j)); }, node_at);
+  }
+
+  size_t size() const { return output_.size(); }
+
+ private:
+  // `take(j)`: result j, undefined for None, with the caller's reference to it dropped.
+  template <typename Take, typename NodeAt>
+  void run_from(const Take& take, const NodeAt& node_at) const {
     at::NoGradGuard no_grad;  // eager's backward runs with grad mode = create_graph (False here)
     std::vector<at::Tensor> existing, incoming;
     for (size_t k = 0; k < output_.size(); ++k) {
-      PyObject* item = PyList_GET_ITEM(outs.ptr(), output_[k]);
-      if (item == Py_None) {
+      at::Tensor grad = take(output_[k]);
+      if (!grad.defined()) {
         continue;
       }
-      at::Tensor grad = THPVariable_Unpack(item);
-      Py_INCREF(Py_None);
-      PyList_SetItem(outs.ptr(), output_[k], Py_None);  // drops the list's reference
       auto* acc = node_at(node_[k]);
       const at::Tensor& variable = acc->variable;
       if (!variable.requires_grad()) {
@@ -308,9 +468,6 @@ class LeafDelivery {
     }
   }
 
-  size_t size() const { return output_.size(); }
-
- private:
   // The conditions under which eager's AccumulateGrad makes a fresh dense gradient the .grad as is.
   static bool stealable(const at::Tensor& grad, const at::Tensor& variable) {
     return !variable.grad_fn() && grad.layout() == at::kStrided && !grad.is_nested() && !grad.is_mkldnn() && !grad.requires_grad() &&
@@ -505,6 +662,51 @@ class NativeWalk {
   void deliver(const LeafDelivery& plan, py::list outs) const {
     plan.run(outs, [&](int64_t i) { return as_accumulate_grad(nodes_.at(i).get(), i); });
   }
+
+  // The short path's replay, before its segments run: the program's arguments (the walk's saved
+  // tensors and the incoming gradients, as `arguments` makes them) and fresh buffers bound into
+  // the pointer table, held here until deliver_replay. False, with the walk as it was and nothing
+  // released, when an address broke a promise: the caller then binds the Python way, which names it.
+  bool bind_replay(const ArgumentPlan& plan, py::list grads, const ReplayPlan& replay, at::Tensor table, int64_t lo, bool release) {
+    auto& saved = compiler_.tensor_args.inputs;
+    const auto& kinds = plan.kinds();
+    const auto& indices = plan.indices();
+    TORCH_CHECK(static_cast<int64_t>(kinds.size()) == replay.num_args(), "bind_replay: the argument plan does not match the replay's");
+    call_tensors_.clear();
+    call_tensors_.reserve(kinds.size());
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      int64_t i = indices[k];
+      if (kinds[k] == ArgumentPlan::kSavedArg) {
+        TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(saved.size()), "saved argument ", i, " is not in this walk");
+        call_tensors_.push_back(saved[i]);
+      } else if (kinds[k] == ArgumentPlan::kGradArg) {
+        TORCH_CHECK(i >= 0 && i < PyList_GET_SIZE(grads.ptr()), "gradient argument ", i, " is not one of the ", PyList_GET_SIZE(grads.ptr()));
+        call_tensors_.push_back(THPVariable_Unpack(PyList_GET_ITEM(grads.ptr(), i)));
+      } else {
+        call_tensors_.clear();
+        TORCH_CHECK(false, "bind_replay: a node argument (an opaque node) is not the short path's");
+      }
+    }
+    if (!replay.bind(call_tensors_, table, lo)) {
+      call_tensors_.clear();
+      return false;
+    }
+    saved.clear();  // the call's tensors hold the only references this walk had
+    if (release) {
+      this->release(plan.release());
+    }
+    return true;
+  }
+
+  // After the segments ran: the results to their leaves, the call's tensors let go of first (so a
+  // result nothing else holds is stolen as .grad, as eager's AccumulateGrad steals it).
+  void deliver_replay(const ReplayPlan& replay, const LeafDelivery& plan) {
+    auto outs = replay.results(call_tensors_);
+    plan.run(outs, [&](int64_t i) { return as_accumulate_grad(nodes_.at(i).get(), i); });
+  }
+
+  uint64_t digest() const { return key_.digest(); }
+  bool key_equals(const py::bytes& other) const { return key_.equals(other); }
 
   // What eager's backward does after running a node without retain_graph.
   void release(const std::vector<int64_t>& indices) {
@@ -727,6 +929,7 @@ class NativeWalk {
   ca::AutogradCompilerCall compiler_;
   ca::NodeCall call_{0, NodePtr()};
   KeyWriter key_;
+  std::vector<at::Tensor> call_tensors_;  // bind_replay's to deliver_replay's
   py::list root_edges_;
   py::list input_edges_;
   std::optional<std::string> unsupported_;  // this graph needs the Python walk
@@ -774,7 +977,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("release", &NativeWalk::release)
       .def("arguments", &NativeWalk::arguments,
            "The captured program's argument list (the walk lets go of its tensors); with `release`, free the plan's functional nodes.")
-      .def("deliver", &NativeWalk::deliver, "Hand the program's leaf gradients in `outs` to their AccumulateGrad nodes.");
+      .def("deliver", &NativeWalk::deliver, "Hand the program's leaf gradients in `outs` to their AccumulateGrad nodes.")
+      .def("bind_replay", &NativeWalk::bind_replay,
+           "Bind the program's arguments and fresh buffers into the pointer table for a replay; False when an address broke a promise.")
+      .def("deliver_replay", &NativeWalk::deliver_replay, "After the replay, hand its results to their AccumulateGrad nodes.")
+      .def_property_readonly("digest", &NativeWalk::digest)
+      .def("key_equals", &NativeWalk::key_equals, "Whether the walk's key is these bytes.");
   py::class_<LeafDelivery>(m, "LeafDelivery")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<bool>>())
       .def("__len__", &LeafDelivery::size);
@@ -783,6 +991,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<py::object>, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<int64_t>, int64_t>())
       .def("fill", &TableGroup::fill, "Write this call's addresses into the table; False when one broke a promise.");
+  py::class_<ReplayPlan>(m, "ReplayPlan")
+      .def(py::init<int64_t, std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
+                    std::vector<int64_t>, std::vector<bool>, std::vector<std::vector<int64_t>>, std::vector<std::vector<int64_t>>,
+                    std::vector<int64_t>>());
+  m.def(
+      "digest", [](const py::bytes& key) {
+        char* data = nullptr;
+        Py_ssize_t size = 0;
+        if (PyBytes_AsStringAndSize(key.ptr(), &data, &size) != 0) {
+          throw py::error_already_set();
+        }
+        return digest_bytes(data, static_cast<size_t>(size));
+      },
+      "The digest of key bytes, as a walk's `digest` is of its own.");
   py::class_<FreshBuffers>(m, "FreshBuffers")
       .def(py::init<std::vector<py::object>, std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device>())
       .def("allocate", &FreshBuffers::allocate, "Put a new empty tensor into the call's dict for every fresh output.");

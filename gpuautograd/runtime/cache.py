@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import native
 from ..ir.program import Program
 from ..ir.types import TensorType
 
@@ -31,6 +32,7 @@ class Entry:
     native_arguments: Any = None  # arg_plan as the extension's ArgumentPlan (native walks only)
     python_binding: Any = None  # arg_plan and the release as engine.PythonBinding (Python walks only)
     leaf_delivery: Any = None  # the native extension's LeafDelivery for the leaf sinks (None: Python's)
+    replay_native: Any = None  # a bound program's replay for the native short path (BoundProgram.replay_native)
     other_sinks: bool = True  # sinks other than leaves (retained grads, grad()'s results)
     maybe_undefined: list = field(default_factory=list)  # (output, sources) a custom backward's None may leave undefined
 
@@ -42,6 +44,9 @@ EVICTED_KEPT = 1024  # evicted keys remembered, so that capturing one again is k
 class PlanCache:
     def __init__(self) -> None:
         self.entries: collections.OrderedDict[Any, Entry] = collections.OrderedDict()
+        # (backend, accumulate, digest of the key bytes) -> the native walks' keys with it that the
+        # short path may hit (no retained grads): its lookup builds no key (gpt's is 13 kB)
+        self.by_digest: dict[tuple, list] = {}
         # structure -> (last full key captured, captures so far); oldest structures are forgotten
         self.structures: collections.OrderedDict[Any, tuple[Any, int]] = collections.OrderedDict()
         # key of an evicted entry -> its fallback reason (None: it ran functionally); oldest forgotten
@@ -65,10 +70,22 @@ class PlanCache:
                 pass
         return entry
 
+    def get_native(self, backend: str, accumulate: bool, nw, grad_dtypes: tuple) -> Entry | None:
+        """The entry that prepare() keys the native walk `nw` by, with no retained grads. The
+        digest finds the candidates; the walk compares its key bytes with each in C++, so a
+        collision never gives a wrong plan."""
+        for key in self.by_digest.get((backend, accumulate, nw.digest), ()):
+            if key[5] == grad_dtypes and nw.key_equals(key[3]):
+                return self.get(key)
+        return None
+
     def put(self, key, entry: Entry, limit: int) -> None:
+        if key not in self.entries and (head := _digest_head(key)) is not None:
+            self.by_digest.setdefault(head, []).append(key)
         self.entries[key] = entry
         while len(self.entries) > limit:
             old_key, old = self.entries.popitem(last=False)
+            self._forget_digest(old_key)
             self.evicted[old_key] = old.fallback_reason
             while len(self.evicted) > EVICTED_KEPT:
                 self.evicted.popitem(last=False)
@@ -79,10 +96,27 @@ class PlanCache:
             return False, None
         return True, self.evicted.pop(key)
 
+    def _forget_digest(self, key) -> None:
+        head = _digest_head(key)
+        keys = self.by_digest.get(head, []) if head is not None else []
+        if key in keys:
+            keys.remove(key)
+            if not keys:
+                del self.by_digest[head]
+
     def clear(self) -> None:
         self.entries.clear()
+        self.by_digest.clear()
         self.structures.clear()
         self.evicted.clear()
+
+
+def _digest_head(key) -> tuple | None:
+    """(backend, accumulate, digest) of a native walk's key without retained grads, else None.
+    Such a key is (backend, accumulate, "native", key bytes, retained, grad dtypes)."""
+    if len(key) != 6 or key[2] != "native" or key[4] != () or (ext := native.load()) is None:
+        return None
+    return key[0], key[1], ext.digest(key[3])
 
 
 def structure_of(key) -> tuple:

@@ -213,7 +213,7 @@ def native_lookup(ext, roots, grads, accumulate: bool, backend: str | None) -> t
     if (tracked := hooks.tracked_tensors()) and any(t.retains_grad and nw.find(t) is not None for t in tracked):
         return None, nw  # a retained gradient in this graph
     grad_dtypes = native_walk.leaf_grad_dtypes(nw) if hooks.grad_dtype_seen else ()
-    entry = CACHE.get((backend, accumulate, *native_walk.native_key(nw, (), grad_dtypes)))  # as prepare() keys it
+    entry = CACHE.get_native(backend, accumulate, nw, grad_dtypes)  # the entry of prepare()'s key for nw
     if entry is None or entry.fallback_reason or entry.opaque_nodes or entry.native_arguments is None:
         return None, nw
     if entry.other_sinks or entry.maybe_undefined or entry.leaf_delivery is None or not accumulate:
@@ -234,7 +234,16 @@ def _native_hit(ext, roots, grads, retain_graph: bool, accumulate: bool, backend
     st = stats_module.STATS
     st.walker = NATIVE
     st.cache_hits += 1
-    args = nw.arguments(entry.native_arguments, grads if type(grads) is list else list(grads), not retain_graph)
+    grads = grads if type(grads) is list else list(grads)
+    if entry.replay_native is not None:
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            if entry.replay_native(nw, entry.native_arguments, grads, not retain_graph, entry.leaf_delivery):
+                return True, None
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+    args = nw.arguments(entry.native_arguments, grads, not retain_graph)
     nw.deliver(entry.leaf_delivery, _run_program(entry, args))
     return True, None
 
@@ -465,6 +474,7 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
     functional = [i for i in program.executed if i not in set(opaque)]
     cpp_opaque = any(w.classes[i].kind == CPP for i in opaque)
     entry = Entry(program, compiled, arg_plan, sinks, opaque, functional, cpp_opaque=cpp_opaque)
+    entry.replay_native = getattr(compiled, "replay_native", None)
     entry.maybe_undefined = [(k, sink[4]) for k, sink in enumerate(sinks) if sink[4]]
     _plan_leaf_delivery(entry, opaque_results)
     return entry

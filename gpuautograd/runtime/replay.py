@@ -16,6 +16,7 @@ and says so once (gpuautograd.degrade).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import threading
@@ -66,10 +67,34 @@ def _native_group(members: list[DynRef], must_align: list[int], must_stay: list[
     ext = native.load()
     if ext is None or any(r.kind not in (ADDRESS, VALUE) for r in members):
         return None
-    names = [sys.intern(r.root) for r in members]
+    return ext.TableGroup([sys.intern(r.root) for r in members], *_slot_fill(members, must_align, must_stay))
+
+
+def _slot_fill(members: list[DynRef], must_align: list[int], must_stay: list[tuple[int, int]]) -> tuple:
+    """The extension's SlotFill arguments for a group: each slot's view offset and whether it
+    holds a host number, then the promises (aligned slots, pinned slots and their addresses)."""
     values = [r.kind == VALUE for r in members]
     stay_slots, stay_addresses = [k for k, _ in must_stay], [a for _, a in must_stay]
-    return ext.TableGroup(names, [r.delta for r in members], values, must_align, stay_slots, stay_addresses, POINTER_ALIGNMENT)
+    return [r.delta for r in members], values, must_align, stay_slots, stay_addresses, POINTER_ALIGNMENT
+
+
+def _result_source(o, tensors: list):
+    """Where a result of one call comes from: None for None; (k, None) when it is tensors[k];
+    (k, (sizes, strides, storage offset past tensors[k]'s)) when it is a view of tensors[k]; False
+    when it is neither (a result the ReplayPlan can't make)."""
+    if o is None:
+        return None
+    for k, t in enumerate(tensors):
+        if o is t:
+            return k, None
+    base = o._base
+    if base is None:
+        return False
+    storage = o.untyped_storage().data_ptr()
+    for k, t in enumerate(tensors):
+        if (base is t or base is t._base) and t.dtype == o.dtype and t.untyped_storage().data_ptr() == storage:
+            return k, (list(o.shape), list(o.stride()), o.storage_offset() - t.storage_offset())
+    return False
 
 
 def value_bits(t: torch.Tensor) -> int:
@@ -130,6 +155,8 @@ class BoundProgram(FusedProgram):
         self.ready = False
         self.layouts: dict[str, tuple] = {}  # eager result -> (shape, stride, dtype) seen at warm-up
         self.replays = 0
+        self.native_replay = None  # the extension's ReplayPlan for the native short path, once planned
+        self.replay_planned = False  # planned (or found not to apply) at the first replay since binding
         self.fallback = None  # the plain fused program, once this plan turned out not to be replayable
         # One table, one arena and one env serve every call, and a CUDA graph replays at the
         # addresses it was captured with, so two calls at once would overwrite each other's
@@ -174,16 +201,33 @@ class BoundProgram(FusedProgram):
             if not self.on_cuda:
                 return self._call(args)
             with torch.cuda.device(self.device):
-                return self._serialized_on_gpu(args)
+                return self._serialized_on_gpu(self._call, args)
 
-    def _serialized_on_gpu(self, args: list):
+    def replay_native(self, nw, arguments, grads: list, release: bool, delivery) -> bool:
+        """The native short path's call (see _plan_native_replay): the walk `nw` binds the
+        program's arguments (`arguments`, an ArgumentPlan) and fresh buffers into the table and,
+        after the segments, delivers the results to their leaves (`delivery`), with no Python
+        object per tensor. False, with nothing consumed, where the plan has no ReplayPlan or an
+        address broke a promise: the caller then calls the plan with the argument list."""
+        if self.native_replay is None:
+            return False
+        with self.lock:
+            plan = self.native_replay
+            if plan is None or self.fallback is not None or not self.ready:
+                return False
+            if not self.on_cuda:
+                return self._replay_native(nw, plan, arguments, grads, release, delivery)
+            with torch.cuda.device(self.device):
+                return self._serialized_on_gpu(self._replay_native, nw, plan, arguments, grads, release, delivery)
+
+    def _serialized_on_gpu(self, call, *args):
         """The lock orders the host side; the event orders the GPU side, since the previous caller
         may have queued its replay on another stream."""
         stream = torch.cuda.current_stream(self.device)
         if self.done is not None:
             stream.wait_event(self.done)
         try:
-            return self._call(args)
+            return call(*args)
         finally:
             if self.table is not None:  # still bound (a give-up releases the plan)
                 self.done = torch.cuda.Event()
@@ -226,7 +270,73 @@ class BoundProgram(FusedProgram):
         self.table.end()
         self.replays += 1
         stats_module.STATS.replays += 1
-        return self.env["outputs"](D)
+        outs = self.env["outputs"](D)
+        if not self.replay_planned:
+            self._plan_native_replay(D, outs)
+        return outs
+
+    def _replay_native(self, nw, plan, arguments, grads: list, release: bool, delivery) -> bool:
+        table = self.table
+        table.begin()
+        if not nw.bind_replay(arguments, grads, plan, table.host[table.current], 0, release):
+            return False
+        if self.refs:
+            table.upload(0, len(self.refs))
+        for seg in self.segments:
+            if seg.graph is not None:
+                seg.graph.replay()
+            else:
+                self.env[seg.name]()
+        table.end()
+        self.replays += 1
+        stats_module.STATS.replays += 1
+        nw.deliver_replay(plan, delivery)
+        return True
+
+    def _plan_native_replay(self, D: dict, outs) -> None:
+        """At the first replay since binding, this call as the extension's ReplayPlan, for the
+        native short path: where the plan has one upload group of address and host-number slots
+        (no eager step) and each result is one of the call's tensors (an argument or a fresh
+        buffer) or a view of one. A fresh buffer that a single result views whole and contiguous
+        is allocated in that result's shape: the view costs a microsecond a call, and eager's
+        gradient of a bias is no view either."""
+        self.replay_planned = True
+        ext = native.load()
+        if ext is None or len(self.groups) != 1 or self.native_groups[0] is None:
+            return
+        names = [*self.input_names, *(name for name, _, _ in self.fresh)]
+        position = {name: k for k, name in enumerate(names)}
+        lo, hi, members = self.groups[0]
+        if len(position) != len(names) or lo != 0 or any(r.root not in position for r in members):
+            return
+        tensors = [D[name] for name in names]
+        results = [_result_source(o, tensors) for o in outs]
+        if any(r is False for r in results):
+            return
+        num_args = len(self.input_names)
+        shapes = [list(shape) for _, shape, _ in self.fresh]
+        uses = collections.Counter(r[0] for r in results if r is not None)
+        for j, r in enumerate(results):
+            if r is not None and r[1] is not None and r[0] >= num_args and uses[r[0]] == 1:
+                k, (sizes, strides, offset) = r
+                o = outs[j]
+                if offset == 0 and o.is_contiguous() and o.numel() == tensors[k].numel():
+                    shapes[k - num_args] = sizes
+                    results[j] = (k, None)
+        views = [r is not None and r[1] is not None for r in results]
+        self.native_replay = ext.ReplayPlan(
+            num_args,
+            shapes,
+            [dtype for _, _, dtype in self.fresh],
+            self.device,
+            [position[r.root] for r in members],
+            *_slot_fill(members, self.must_align[0], self.must_stay[0]),
+            [-1 if r is None else r[0] for r in results],
+            views,
+            [r[1][0] if v else [] for r, v in zip(results, views)],
+            [r[1][1] if v else [] for r, v in zip(results, views)],
+            [r[1][2] if v else 0 for r, v in zip(results, views)],
+        )
 
     def _upload(self, group: int, D: dict) -> None:
         lo, hi, members = self.groups[group]
@@ -300,6 +410,7 @@ class BoundProgram(FusedProgram):
         self.must_align[group] = [k for k, r in enumerate(members) if r.kind == ADDRESS and r.aligned and r.rid in self.vectorized]
         self.must_stay[group] = [(k, r.pinned) for k, r in enumerate(members) if r.pinned is not None]
         self.native_groups[group] = _native_group(members, self.must_align[group], self.must_stay[group])
+        self.native_replay, self.replay_planned = None, False  # what the short path binds changed
 
     def _prepare(self, seg: Segment) -> None:
         """Before the segment's warm-up: kernels learn which pointers are aligned, library inputs
@@ -376,6 +487,7 @@ class BoundProgram(FusedProgram):
         self.env.clear()
         self.static_tensors.clear()
         self.table = None
+        self.native_replay = None
 
     def _warm_up(self, D: dict, cuda: bool):
         """The first call runs the bound segments eagerly (on a side stream on CUDA): this compiles

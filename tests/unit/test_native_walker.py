@@ -243,6 +243,75 @@ def test_a_plain_hit_takes_the_short_path_and_matches_eager(name, monkeypatch):
     assert (s["captures"], s["cache_hits"], s["walker"]) == (1, 2, "native"), s
 
 
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_a_bound_plans_hit_binds_and_delivers_in_cpp_and_matches_eager(name, monkeypatch):
+    """From the second hit on, the short path replays a bound plan through its ReplayPlan (the
+    call's tensors stay in C++); the gradients equal eager's, and a bias's is no view, as in eager."""
+    from gpuautograd.runtime.replay import BoundProgram
+
+    _use("native", monkeypatch)
+    gpuautograd.reset()
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE[name](dtype=torch.float64)
+    batch = make_batch(torch.Generator().manual_seed(0))
+    counts = {"python": 0, "native": 0}
+    python_replay, native_replay = BoundProgram._replay, BoundProgram._replay_native
+
+    def counted(kind, real):
+        def call(self, *args):
+            counts[kind] += 1
+            return real(self, *args)
+
+        return call
+
+    monkeypatch.setattr(BoundProgram, "_replay", counted("python", python_replay))
+    monkeypatch.setattr(BoundProgram, "_replay_native", counted("native", native_replay))
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss_fn(model, *batch).backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        gpuautograd.backward(loss_fn(model, *batch), backend="interpret-replay")
+        for p, e in zip(model.parameters(), expected):
+            assert_close(p.grad, e)
+            assert p.grad._base is None and p.grad.stride() == e.stride()
+    # capture, one Python replay that plans the native one, two native replays
+    assert counts == {"python": 1, "native": 2}, counts
+    assert gpuautograd.stats()["replays"] == 3
+
+
+def test_the_cache_compares_a_digest_match_in_full(monkeypatch):
+    """The short path finds its plan by the key's digest; a plan whose key has the same digest but
+    other bytes is never returned."""
+    from gpuautograd.runtime.cache import Entry, PlanCache
+
+    _use("native", monkeypatch)
+    ext = native.load()
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    nw = ext.walk([(x * 2).sum()], (), [torch.tensor(1.0, dtype=torch.float64)])
+    assert ext.digest(nw.key) == nw.digest
+    assert nw.key_equals(nw.key) and not nw.key_equals(nw.key[:-1] + bytes([nw.key[-1] ^ 1])) and not nw.key_equals(nw.key[:-1])
+    cache = PlanCache()
+    mine, other = Entry(None, None), Entry(None, None)
+    cache.put(("reference", True, "native", nw.key, (), ()), mine, limit=8)
+    assert cache.get_native("reference", True, nw, ()) is mine
+    assert cache.get_native("reference", False, nw, ()) is None and cache.get_native("interpret", True, nw, ()) is None
+    # another key under the same digest (a collision, forced): still only the matching bytes hit
+    cache.clear()
+    impostor = ("reference", True, "native", nw.key + b"\0", (), ())
+    cache.put(impostor, other, limit=8)
+    cache.by_digest[("reference", True, nw.digest)] = [impostor]
+    assert cache.get_native("reference", True, nw, ()) is None
+    cache.put(("reference", True, "native", nw.key, (), ()), mine, limit=8)
+    cache.by_digest[("reference", True, nw.digest)].insert(0, impostor)
+    assert cache.get_native("reference", True, nw, ()) is mine
+    # eviction forgets the digest
+    cache.put(("reference", True, "native", b"other", (), ()), other, limit=1)
+    assert cache.get_native("reference", True, nw, ()) is None and set(cache.entries) == {("reference", True, "native", b"other", (), ())}
+
+
 @pytest.mark.parametrize("case", ["custom Function", "retained grad", "node hook"])
 def test_a_hit_the_short_path_declines_walks_once(case, monkeypatch):
     """An opaque node, a retained gradient or a hook sends the backward down the general path,

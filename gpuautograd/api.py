@@ -62,14 +62,19 @@ def _unused_input_message() -> str:
     return "One of the differentiated Tensors (index {}) appears to not have been used in the graph."
 
 
+def _implicit_grad(out) -> torch.Tensor | None:
+    """torch's implicit gradient of a plain scalar that requires grad (loss.backward()), without its
+    general checks (about 10 µs a call in a training loop, most of them GradientEdge and
+    nested-tensor cases); None for anything else."""
+    if type(out) is torch.Tensor and out.requires_grad and not out.is_nested and out.dtype.is_floating_point and out.numel() == 1:
+        return torch.ones_like(out, memory_format=torch.preserve_format)
+    return None
+
+
 def _make_grads(outputs, grads) -> list[torch.Tensor]:
     """torch's own checks and defaults for grad_tensors (same errors, same implicit ones)."""
-    if len(outputs) == 1 and grads[0] is None:
-        # loss.backward(): torch's implicit gradient of a plain scalar, without its general checks
-        # (about 10 µs a call in a training loop, most of them GradientEdge and nested-tensor cases)
-        out = outputs[0]
-        if type(out) is torch.Tensor and out.requires_grad and not out.is_nested and out.dtype.is_floating_point and out.numel() == 1:
-            return [torch.ones_like(out, memory_format=torch.preserve_format)]
+    if len(outputs) == 1 and grads[0] is None and (grad := _implicit_grad(outputs[0])) is not None:
+        return [grad]
     made = _autograd._make_grads(outputs, grads, is_grads_batched=False)
     return list(made)
 
@@ -80,8 +85,14 @@ def _check_roots(tensors) -> None:
             raise RuntimeError(f"element {i} of tensors does not require grad and does not have a grad_fn")
 
 
+# Bound once: each backward reads them all, and after a forward every attribute lookup misses the
+# CPU's caches (a few of them cost a microsecond each then).
 _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 _profiler_enabled = torch._C._autograd._profiler_enabled
+_anomaly_enabled = torch.is_anomaly_enabled
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_transforms_active = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 # A dispatch mode sees every op the backward runs, with the autograd node it runs in
 # (torch._C._current_autograd_node()); the profiler records each node's evaluate_function event
 # and sequence number. Only eager's engine runs node by node.
@@ -92,19 +103,21 @@ _OBSERVED_REASON = (
 
 
 def _global_fallback_reason(create_graph: bool, grads=()) -> str | None:
+    """Why no backward can run functionally right now. `grads`: the incoming gradients a caller
+    passed (the implicit ones of loss.backward() can't be batched)."""
     if create_graph:
         return "create_graph=True (double backward) needs eager autograd"
-    if torch.is_anomaly_enabled():
+    if _anomaly_enabled():
         return "anomaly detection mode is enabled"
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    if _saved_tensor_hooks(False) is not None:
         return "saved-tensor hooks are active"
-    if torch._C._are_functorch_transforms_active():
+    if _transforms_active():
         # vmap / grad from torch.func wrap the tensors in batched levels that eager's engine
         # understands; a graph task (how opaque nodes run) is refused inside vmap
         return "a torch.func transform (vmap, grad, jvp) is active"
     if any(g is not None and _is_legacy_batched(g) for g in grads):  # gradcheck's batched-gradient check
         return "the incoming gradients are batched by torch._vmap_internals.vmap"
-    if (torch._C._len_torch_dispatch_stack() or _profiler_enabled()) and flags.when_observed() == "eager":
+    if (_dispatch_modes() or _profiler_enabled()) and flags.when_observed() == "eager":
         return _OBSERVED_REASON
     return distributed.global_fallback_reason()  # distributed: what rules out every multi-rank backward
 
@@ -119,8 +132,8 @@ def backward(
     backend: str | None = None,
 ) -> None:
     """Drop-in for `torch.autograd.backward`: accumulates gradients into the leaves' `.grad`."""
-    if type(tensors) is torch.Tensor and inputs is None:  # loss.backward(): nothing to normalize
-        tensors, inputs = (tensors,), ()
+    if type(tensors) is torch.Tensor and inputs is None and grad_tensors is None and (grad := _implicit_grad(tensors)) is not None:
+        tensors, inputs, grads = (tensors,), (), [grad]  # loss.backward(): nothing to normalize
     else:
         if _has_gradient_edge(tensors) or _has_gradient_edge(inputs) or (tensors is not None and len(_as_tuple(tensors)) == 0):
             warn_fallback("GradientEdge roots or inputs, or no roots at all, need eager autograd")
@@ -129,10 +142,10 @@ def backward(
             raise RuntimeError("'inputs' argument to backward() cannot be empty.")
         tensors = _as_tuple(tensors)
         inputs = _as_tuple(inputs)
-    grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
+        grads = _make_grads(tensors, _as_tuple(grad_tensors) or (None,) * len(tensors))
     if retain_graph is None:
         retain_graph = create_graph
-    reason = _global_fallback_reason(create_graph, grads)
+    reason = _global_fallback_reason(create_graph, grads if grad_tensors is not None else ())
     if reason is None:
         _check_roots(tensors)
         for t in inputs:

@@ -282,6 +282,26 @@ def test_a_bound_plans_hit_binds_and_delivers_in_cpp_and_matches_eager(name, mon
     assert gpuautograd.stats()["replays"] == 3
 
 
+def test_walks_alive_at_once_keep_their_own_buffers(monkeypatch):
+    """A thread reuses one walk's buffers for its next walk once the first is gone: a walk made
+    while another is alive gets buffers of its own, and a reused set starts empty."""
+    _use("native", monkeypatch)
+    ext = native.load()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    one = torch.tensor(1.0, dtype=torch.float64)
+    small, large = (x * 2).sum(), torch.tanh(x @ x.t()).exp().sum()
+    first = ext.walk([small], (), [one])
+    key, nodes = first.key, len(first)
+    second = ext.walk([large], (), [one])
+    assert first.key == key and len(first) == nodes and second.key != key and len(second) > nodes
+    expected = second.key
+    del first, second
+    for root, want in ((small, key), (large, expected), (small, key)):
+        again = ext.walk([root], (), [one])
+        assert again.key == want and again.digest == ext.digest(want)
+        del again
+
+
 def test_the_cache_compares_a_digest_match_in_full(monkeypatch):
     """The short path finds its plan by the key's digest; a plan whose key has the same digest but
     other bytes is never returned."""

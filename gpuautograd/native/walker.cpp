@@ -23,6 +23,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/_foreach_add.h>
 
 #include <algorithm>
@@ -258,6 +259,15 @@ class TableGroup {
   SlotFill slots_;
 };
 
+// An uninitialized buffer for a program's result (its kernels write every element). On the host
+// without the dispatcher, which costs as much again as the allocation.
+at::Tensor fresh_tensor(c10::IntArrayRef shape, at::ScalarType dtype, at::Device device) {
+  if (device.is_cpu()) {
+    return at::detail::empty_cpu(shape, dtype);
+  }
+  return at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+}
+
 // The fresh output buffers of one bound-plan call (runtime/replay.py): allocated and put into the
 // call's dict by name, without a Python call of torch.empty per buffer.
 class FreshBuffers {
@@ -269,7 +279,7 @@ class FreshBuffers {
 
   void allocate(py::dict call) const {
     for (size_t k = 0; k < names_.size(); ++k) {
-      at::Tensor t = at::empty(shapes_[k], at::TensorOptions().dtype(dtypes_[k]).device(device_));
+      at::Tensor t = fresh_tensor(shapes_[k], dtypes_[k], device_);
       PyObject* obj = THPVariable_Wrap(std::move(t));
       if (obj == nullptr || PyDict_SetItem(call.ptr(), names_[k].ptr(), obj) != 0) {
         Py_XDECREF(obj);
@@ -323,7 +333,7 @@ class ReplayPlan {
   bool bind(std::vector<at::Tensor>& tensors, at::Tensor& table, int64_t lo) const {
     TORCH_CHECK(static_cast<int64_t>(tensors.size()) == num_args_, "ReplayPlan.bind: ", tensors.size(), " arguments for ", num_args_);
     for (size_t k = 0; k < fresh_shapes_.size(); ++k) {
-      tensors.push_back(at::empty(fresh_shapes_[k], at::TensorOptions().dtype(fresh_dtypes_[k]).device(device_)));
+      tensors.push_back(fresh_tensor(fresh_shapes_[k], fresh_dtypes_[k], device_));
     }
     if (!slots_.fill(table, lo, [&](size_t k) -> const at::Tensor& { return tensors[slot_sources_[k]]; })) {
       tensors.resize(num_args_);
@@ -560,7 +570,7 @@ class NodeIndex {
 };
 
 AccumulateGrad* as_accumulate_grad(Node* node, int64_t i) {
-  auto* acc = dynamic_cast<AccumulateGrad*>(node);
+  auto* acc = node != nullptr && typeid(*node) == typeid(AccumulateGrad) ? static_cast<AccumulateGrad*>(node) : nullptr;
   TORCH_CHECK(acc, "node ", i, " (", node ? node->name() : std::string("null"), ") is not an AccumulateGrad node");
   return acc;
 }

@@ -757,6 +757,39 @@ class NativeWalk {
   uint64_t digest() const { return key_.digest(); }
   bool key_equals(const py::bytes& other) const { return key_.equals(other); }
 
+  // The cache key of this walk among `table`'s (runtime/cache.py: digest -> the keys
+  // (backend, accumulate, "native", key bytes, retained, grad dtypes) with that digest): the one
+  // with these head fields, no retained grads and this walk's bytes, compared in full; else None.
+  // One call for what the digest, a Python tuple and a comparison per candidate would cost.
+  py::object match(const py::dict& table, const py::object& backend, bool accumulate, const py::object& grad_dtypes) const {
+    py::int_ digest(key_.digest());
+    PyObject* keys = PyDict_GetItemWithError(table.ptr(), digest.ptr());
+    if (keys == nullptr) {
+      if (PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      return py::none();
+    }
+    TORCH_CHECK(PyList_Check(keys), "match: the digest table holds a ", Py_TYPE(keys)->tp_name, ", not a list of keys");
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(keys); ++k) {
+      PyObject* key = PyList_GET_ITEM(keys, k);
+      if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 6 || !PyBytes_Check(PyTuple_GET_ITEM(key, 3))) {
+        continue;
+      }
+      PyObject* retained = PyTuple_GET_ITEM(key, 4);
+      if (PyTuple_GET_ITEM(key, 1) != (accumulate ? Py_True : Py_False) || !PyTuple_Check(retained) || PyTuple_GET_SIZE(retained) != 0) {
+        continue;
+      }
+      if (!equal(PyTuple_GET_ITEM(key, 0), backend.ptr()) || !equal(PyTuple_GET_ITEM(key, 5), grad_dtypes.ptr())) {
+        continue;
+      }
+      if (key_.equals(py::reinterpret_borrow<py::bytes>(PyTuple_GET_ITEM(key, 3)))) {
+        return py::reinterpret_borrow<py::object>(key);
+      }
+    }
+    return py::none();
+  }
+
   // What eager's backward does after running a node without retain_graph.
   void release(const std::vector<int64_t>& indices) {
     for (auto i : indices) {
@@ -806,6 +839,17 @@ class NativeWalk {
       put_cpp(i, type);
     }
     check_node_hooks(*node, acc != nullptr);
+  }
+
+  static bool equal(PyObject* a, PyObject* b) {
+    if (a == b) {
+      return true;
+    }
+    int same = PyObject_RichCompareBool(a, b, Py_EQ);
+    if (same < 0) {
+      throw py::error_already_set();
+    }
+    return same == 1;
   }
 
   void put_edges(const Node& node) {
@@ -1034,7 +1078,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Bind the program's arguments and fresh buffers into the pointer table for a replay; False when an address broke a promise.")
       .def("deliver_replay", &NativeWalk::deliver_replay, "After the replay, hand its results to their AccumulateGrad nodes.")
       .def_property_readonly("digest", &NativeWalk::digest)
-      .def("key_equals", &NativeWalk::key_equals, "Whether the walk's key is these bytes.");
+      .def("key_equals", &NativeWalk::key_equals, "Whether the walk's key is these bytes.")
+      .def("match", &NativeWalk::match, "This walk's cache key among a digest table's (compared in full), or None.");
   py::class_<LeafDelivery>(m, "LeafDelivery")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<bool>>())
       .def("__len__", &LeafDelivery::size);

@@ -44,9 +44,9 @@ EVICTED_KEPT = 1024  # evicted keys remembered, so that capturing one again is k
 class PlanCache:
     def __init__(self) -> None:
         self.entries: collections.OrderedDict[Any, Entry] = collections.OrderedDict()
-        # (backend, accumulate, digest of the key bytes) -> the native walks' keys with it that the
-        # short path may hit (no retained grads): its lookup builds no key (gpt's is 13 kB)
-        self.by_digest: dict[tuple, list] = {}
+        # digest of the key bytes -> the native walks' keys with it that the short path may hit (no
+        # retained grads): its lookup builds no key (gpt's is 13 kB)
+        self.by_digest: dict[int, list] = {}
         # structure -> (last full key captured, captures so far); oldest structures are forgotten
         self.structures: collections.OrderedDict[Any, tuple[Any, int]] = collections.OrderedDict()
         # key of an evicted entry -> its fallback reason (None: it ran functionally); oldest forgotten
@@ -72,16 +72,14 @@ class PlanCache:
 
     def get_native(self, backend: str, accumulate: bool, nw, grad_dtypes: tuple) -> Entry | None:
         """The entry that prepare() keys the native walk `nw` by, with no retained grads. The
-        digest finds the candidates; the walk compares its key bytes with each in C++, so a
-        collision never gives a wrong plan."""
-        for key in self.by_digest.get((backend, accumulate, nw.digest), ()):
-            if key[5] == grad_dtypes and nw.key_equals(key[3]):
-                return self.get(key)
-        return None
+        digest finds the candidates; the walk compares the rest of each key, its bytes in full,
+        in C++ (NativeWalk.match), so a collision never gives a wrong plan."""
+        key = nw.match(self.by_digest, backend, accumulate, grad_dtypes)
+        return None if key is None else self.get(key)
 
     def put(self, key, entry: Entry, limit: int) -> None:
-        if key not in self.entries and (head := _digest_head(key)) is not None:
-            self.by_digest.setdefault(head, []).append(key)
+        if key not in self.entries and (digest := _short_path_digest(key)) is not None:
+            self.by_digest.setdefault(digest, []).append(key)
         self.entries[key] = entry
         while len(self.entries) > limit:
             old_key, old = self.entries.popitem(last=False)
@@ -97,12 +95,12 @@ class PlanCache:
         return True, self.evicted.pop(key)
 
     def _forget_digest(self, key) -> None:
-        head = _digest_head(key)
-        keys = self.by_digest.get(head, []) if head is not None else []
+        digest = _short_path_digest(key)
+        keys = self.by_digest.get(digest, []) if digest is not None else []
         if key in keys:
             keys.remove(key)
             if not keys:
-                del self.by_digest[head]
+                del self.by_digest[digest]
 
     def clear(self) -> None:
         self.entries.clear()
@@ -111,12 +109,12 @@ class PlanCache:
         self.evicted.clear()
 
 
-def _digest_head(key) -> tuple | None:
-    """(backend, accumulate, digest) of a native walk's key without retained grads, else None.
-    Such a key is (backend, accumulate, "native", key bytes, retained, grad dtypes)."""
+def _short_path_digest(key) -> int | None:
+    """The digest of a native walk's key without retained grads, else None. Such a key is
+    (backend, accumulate, "native", key bytes, retained, grad dtypes)."""
     if len(key) != 6 or key[2] != "native" or key[4] != () or (ext := native.load()) is None:
         return None
-    return key[0], key[1], ext.digest(key[3])
+    return ext.digest(key[3])
 
 
 def structure_of(key) -> tuple:

@@ -322,10 +322,10 @@ def test_the_cache_compares_a_digest_match_in_full(monkeypatch):
     cache.clear()
     impostor = ("reference", True, "native", nw.key + b"\0", (), ())
     cache.put(impostor, other, limit=8)
-    cache.by_digest[("reference", True, nw.digest)] = [impostor]
+    cache.by_digest[nw.digest] = [impostor]
     assert cache.get_native("reference", True, nw, ()) is None
     cache.put(("reference", True, "native", nw.key, (), ()), mine, limit=8)
-    cache.by_digest[("reference", True, nw.digest)].insert(0, impostor)
+    cache.by_digest[nw.digest].insert(0, impostor)
     assert cache.get_native("reference", True, nw, ()) is mine
     # eviction forgets the digest
     cache.put(("reference", True, "native", b"other", (), ()), other, limit=1)

@@ -481,3 +481,40 @@ CASES = [
     dropout_each_backward_uses_its_own_forward_mask,
     replay_reads_this_calls_tensors_while_older_ones_are_alive,
 ]
+
+
+def native_replay_delivers_like_eager(w: Where, name: str, monkeypatch) -> None:
+    """With the native walker, from the second hit on the short path replays a bound plan through
+    its ReplayPlan (the call's tensors stay in C++); the gradients equal eager's, and a bias's is
+    no view, as in eager."""
+    from bench.models import SUITE
+
+    gpuautograd.reset()
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE[name](dtype=w.dtype, device=w.device)
+    batch = make_batch(torch.Generator().manual_seed(0))
+    counts = {"python": 0, "native": 0}
+
+    def counted(kind, real):
+        def call(self, *args):
+            counts[kind] += 1
+            return real(self, *args)
+
+        return call
+
+    monkeypatch.setattr(BoundProgram, "_replay", counted("python", BoundProgram._replay))
+    monkeypatch.setattr(BoundProgram, "_replay_native", counted("native", BoundProgram._replay_native))
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss_fn(model, *batch).backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        w.backward(loss_fn(model, *batch))
+        for p, e in zip(model.parameters(), expected):
+            w.close(p.grad, e)
+            assert p.grad._base is None and p.grad.stride() == e.stride()
+    # capture, one Python replay that plans the native one, two native replays
+    assert counts == {"python": 1, "native": 2}, counts
+    assert gpuautograd.stats()["replays"] == 3

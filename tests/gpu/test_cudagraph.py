@@ -136,3 +136,13 @@ def test_concurrent_backwards_of_one_graph_match_eager(streams):
     (program,) = rc.bound_programs()
     recaptures = sum(r.startswith("recapture") for r in s["miss_reasons"])
     assert program.replays == s["replays"] and s["replays"] + recaptures == 4 * 10, s
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_the_native_short_path_replays_through_its_replay_plan(name, monkeypatch):
+    from gpuautograd import native
+
+    monkeypatch.delenv("GPUAUTOGRAD_NATIVE", raising=False)
+    if native.load() is None:
+        pytest.skip(f"the native walker is unavailable: {native.reason()}")
+    rc.native_replay_delivers_like_eager(GPU, name, monkeypatch)

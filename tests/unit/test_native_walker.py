@@ -16,6 +16,7 @@ from bench.models import SUITE
 from gpuautograd import flags, native
 from gpuautograd.capture import walk as walk_module
 from gpuautograd.runtime import engine
+from tests import replay_cases
 from tests.helpers import assert_close
 from tests.replay_cases import Double
 
@@ -245,41 +246,8 @@ def test_a_plain_hit_takes_the_short_path_and_matches_eager(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_a_bound_plans_hit_binds_and_delivers_in_cpp_and_matches_eager(name, monkeypatch):
-    """From the second hit on, the short path replays a bound plan through its ReplayPlan (the
-    call's tensors stay in C++); the gradients equal eager's, and a bias's is no view, as in eager."""
-    from gpuautograd.runtime.replay import BoundProgram
-
     _use("native", monkeypatch)
-    gpuautograd.reset()
-    torch.manual_seed(0)
-    model, make_batch, loss_fn = SUITE[name](dtype=torch.float64)
-    batch = make_batch(torch.Generator().manual_seed(0))
-    counts = {"python": 0, "native": 0}
-    python_replay, native_replay = BoundProgram._replay, BoundProgram._replay_native
-
-    def counted(kind, real):
-        def call(self, *args):
-            counts[kind] += 1
-            return real(self, *args)
-
-        return call
-
-    monkeypatch.setattr(BoundProgram, "_replay", counted("python", python_replay))
-    monkeypatch.setattr(BoundProgram, "_replay_native", counted("native", native_replay))
-    for _ in range(4):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        loss_fn(model, *batch).backward()
-        expected = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        gpuautograd.backward(loss_fn(model, *batch), backend="interpret-replay")
-        for p, e in zip(model.parameters(), expected):
-            assert_close(p.grad, e)
-            assert p.grad._base is None and p.grad.stride() == e.stride()
-    # capture, one Python replay that plans the native one, two native replays
-    assert counts == {"python": 1, "native": 2}, counts
-    assert gpuautograd.stats()["replays"] == 3
+    replay_cases.native_replay_delivers_like_eager(replay_cases.Where("interpret-replay", "cpu", torch.float64), name, monkeypatch)
 
 
 def test_walks_alive_at_once_keep_their_own_buffers(monkeypatch):

@@ -483,6 +483,22 @@ CASES = [
 ]
 
 
+def step_beside_eager(model, loss_of, backward, close) -> list:
+    """One step of eager's backward, then one of `backward`, on the same forward (`loss_of()`,
+    seeded alike): each parameter's gradient checked with `close`. Returns (ours, eager's) pairs."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    loss_of().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    backward(loss_of())
+    pairs = [(p.grad, e) for p, e in zip(model.parameters(), expected)]
+    for mine, e in pairs:
+        close(mine, e)
+    return pairs
+
+
 def native_replay_delivers_like_eager(w: Where, name: str, monkeypatch) -> None:
     """With the native walker, from the second hit on the short path replays a bound plan through
     its ReplayPlan (the call's tensors stay in C++); the gradients equal eager's, and a bias's is
@@ -505,16 +521,8 @@ def native_replay_delivers_like_eager(w: Where, name: str, monkeypatch) -> None:
     monkeypatch.setattr(BoundProgram, "_replay", counted("python", BoundProgram._replay))
     monkeypatch.setattr(BoundProgram, "_replay_native", counted("native", BoundProgram._replay_native))
     for _ in range(4):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        loss_fn(model, *batch).backward()
-        expected = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        w.backward(loss_fn(model, *batch))
-        for p, e in zip(model.parameters(), expected):
-            w.close(p.grad, e)
-            assert p.grad._base is None and p.grad.stride() == e.stride()
+        for mine, expected in step_beside_eager(model, lambda: loss_fn(model, *batch), w.backward, w.close):
+            assert mine._base is None and mine.stride() == expected.stride()
     # capture, one Python replay that plans the native one, two native replays
     assert counts == {"python": 1, "native": 2}, counts
     assert gpuautograd.stats()["replays"] == 3

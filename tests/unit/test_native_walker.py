@@ -231,15 +231,7 @@ def test_a_plain_hit_takes_the_short_path_and_matches_eager(name, monkeypatch):
 
     monkeypatch.setattr(engine, "prepare", no_general_path)
     for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        loss_fn(model, *batch).backward()
-        expected = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        gpuautograd.backward(loss_fn(model, *batch))
-        for p, e in zip(model.parameters(), expected):
-            assert_close(p.grad, e)
+        replay_cases.step_beside_eager(model, lambda: loss_fn(model, *batch), gpuautograd.backward, assert_close)
     s = gpuautograd.stats()
     assert (s["captures"], s["cache_hits"], s["walker"]) == (1, 2, "native"), s
 

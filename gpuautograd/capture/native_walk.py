@@ -112,15 +112,11 @@ def walk(roots, inputs, grads, walked=None) -> tuple[NativeWalk | None, str | No
 
 
 def key_of(w: NativeWalk) -> tuple:
-    """The cache key after the backend and accumulate (see native_key)."""
-    return native_key(w.native, tuple((j, nr) for j, nr, _ in w.retained), w.grad_dtypes)
-
-
-def native_key(nw, retained: tuple, grad_dtypes: tuple) -> tuple:
-    """The cache key after the backend and accumulate, of the extension's walk `nw`: its key bytes
-    (the incoming gradients, then the graph), then what Python adds to them: the retained grads'
-    (node, output) edges and leaf_grad_dtypes()."""
-    return ("native", nw.key, retained, grad_dtypes)
+    """The cache key after the backend and accumulate: the native key bytes (the incoming
+    gradients, then the graph), then what Python adds to them: the retained grads' (node, output)
+    edges and leaf_grad_dtypes(). The short path's lookup (cache.PlanCache.get_native, and
+    NativeWalk.match in walker.cpp) reads this layout."""
+    return ("native", w.native.key, tuple((j, nr) for j, nr, _ in w.retained), w.grad_dtypes)
 
 
 def _raw_slots(pw: Walk) -> list:

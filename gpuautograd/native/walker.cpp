@@ -31,6 +31,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace py = pybind11;
@@ -49,6 +50,16 @@ enum Tag : uint8_t {
   kHooked,  // a node whose saved values carry unpack hooks: it runs opaque
   kGrad,    // an incoming gradient of a root
 };
+
+// The bytes of a Python bytes object, without a copy.
+std::string_view bytes_view(const py::bytes& b) {
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  if (PyBytes_AsStringAndSize(b.ptr(), &data, &size) != 0) {
+    throw py::error_already_set();
+  }
+  return {data, static_cast<size_t>(size)};
+}
 
 // A key's digest for the plan cache's lookup: four multiply-xor lanes over its 8-byte words. Not
 // a guard (a digest match is compared in full), so it needs speed and spread, not strength.
@@ -106,14 +117,7 @@ class KeyWriter {
   py::bytes bytes() const { return py::bytes(bytes_, size_); }
   void clear() { size_ = 0; }
   uint64_t digest() const { return digest_bytes(bytes_, size_); }
-  bool equals(const py::bytes& other) const {
-    char* data = nullptr;
-    Py_ssize_t size = 0;
-    if (PyBytes_AsStringAndSize(other.ptr(), &data, &size) != 0) {
-      throw py::error_already_set();
-    }
-    return static_cast<size_t>(size) == size_ && std::memcmp(data, bytes_, size_) == 0;
-  }
+  bool equals(const py::bytes& other) const { return bytes_view(other) == std::string_view(bytes_, size_); }
 
  private:
   static constexpr size_t kInitial = 16384;  // gpt's key is 13 kB
@@ -680,7 +684,6 @@ class NativeWalk {
   // them, so the list holds the only references this walk had. With `release` (a backward without
   // retain_graph), the plan's functional nodes then free their saved values, as eager's do.
   py::list arguments(const ArgumentPlan& plan, py::list grads, bool release) {
-    auto& saved = compiler_.tensor_args.inputs;
     const auto& kinds = plan.kinds();
     const auto& indices = plan.indices();
     py::list args(kinds.size());
@@ -688,8 +691,7 @@ class NativeWalk {
       int64_t i = indices[k];
       PyObject* obj;
       if (kinds[k] == ArgumentPlan::kSavedArg) {
-        TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(saved.size()), "saved argument ", i, " is not in this walk");
-        obj = THPVariable_Wrap(saved[i]);
+        obj = THPVariable_Wrap(saved_argument(i));
       } else if (kinds[k] == ArgumentPlan::kGradArg) {
         obj = PyList_GetItem(grads.ptr(), i);
         Py_XINCREF(obj);
@@ -701,10 +703,7 @@ class NativeWalk {
       }
       PyList_SET_ITEM(args.ptr(), k, obj);  // steals the reference
     }
-    saved.clear();
-    if (release) {
-      this->release(plan.release());
-    }
+    let_go(plan, release);
     return args;
   }
 
@@ -717,7 +716,6 @@ class NativeWalk {
   // the pointer table, held here until deliver_replay. False, with the walk as it was and nothing
   // released, when an address broke a promise: the caller then binds the Python way, which names it.
   bool bind_replay(const ArgumentPlan& plan, py::list grads, const ReplayPlan& replay, at::Tensor table, int64_t lo, bool release) {
-    auto& saved = compiler_.tensor_args.inputs;
     const auto& kinds = plan.kinds();
     const auto& indices = plan.indices();
     TORCH_CHECK(static_cast<int64_t>(kinds.size()) == replay.num_args(), "bind_replay: the argument plan does not match the replay's");
@@ -726,8 +724,7 @@ class NativeWalk {
     for (size_t k = 0; k < kinds.size(); ++k) {
       int64_t i = indices[k];
       if (kinds[k] == ArgumentPlan::kSavedArg) {
-        TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(saved.size()), "saved argument ", i, " is not in this walk");
-        call_tensors_.push_back(saved[i]);
+        call_tensors_.push_back(saved_argument(i));
       } else if (kinds[k] == ArgumentPlan::kGradArg) {
         TORCH_CHECK(i >= 0 && i < PyList_GET_SIZE(grads.ptr()), "gradient argument ", i, " is not one of the ", PyList_GET_SIZE(grads.ptr()));
         call_tensors_.push_back(THPVariable_Unpack(PyList_GET_ITEM(grads.ptr(), i)));
@@ -740,10 +737,7 @@ class NativeWalk {
       call_tensors_.clear();
       return false;
     }
-    saved.clear();  // the call's tensors hold the only references this walk had
-    if (release) {
-      this->release(plan.release());
-    }
+    let_go(plan, release);  // the call's tensors hold the only references this walk had
     return true;
   }
 
@@ -753,9 +747,6 @@ class NativeWalk {
     auto outs = replay.results(call_tensors_);
     plan.run(outs, [&](int64_t i) { return as_accumulate_grad(nodes_.at(i).get(), i); });
   }
-
-  uint64_t digest() const { return key_.digest(); }
-  bool key_equals(const py::bytes& other) const { return key_.equals(other); }
 
   // The cache key of this walk among `table`'s (runtime/cache.py: digest -> the keys
   // (backend, accumulate, "native", key bytes, retained, grad dtypes) with that digest): the one
@@ -788,6 +779,22 @@ class NativeWalk {
       }
     }
     return py::none();
+  }
+
+  // Saved tensor `i` of this walk, for an argument.
+  const at::Tensor& saved_argument(int64_t i) const {
+    const auto& saved = compiler_.tensor_args.inputs;
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(saved.size()), "saved argument ", i, " is not in this walk");
+    return saved[i];
+  }
+
+  // After binding: the walk lets go of its saved tensors and, with `release`, the plan's
+  // functional nodes free theirs.
+  void let_go(const ArgumentPlan& plan, bool release) {
+    compiler_.tensor_args.inputs.clear();
+    if (release) {
+      this->release(plan.release());
+    }
   }
 
   // What eager's backward does after running a node without retain_graph.
@@ -1077,8 +1084,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bind_replay", &NativeWalk::bind_replay,
            "Bind the program's arguments and fresh buffers into the pointer table for a replay; False when an address broke a promise.")
       .def("deliver_replay", &NativeWalk::deliver_replay, "After the replay, hand its results to their AccumulateGrad nodes.")
-      .def_property_readonly("digest", &NativeWalk::digest)
-      .def("key_equals", &NativeWalk::key_equals, "Whether the walk's key is these bytes.")
       .def("match", &NativeWalk::match, "This walk's cache key among a digest table's (compared in full), or None.");
   py::class_<LeafDelivery>(m, "LeafDelivery")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<bool>>())
@@ -1094,15 +1099,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, std::vector<bool>, std::vector<std::vector<int64_t>>, std::vector<std::vector<int64_t>>,
                     std::vector<int64_t>>());
   m.def(
-      "digest", [](const py::bytes& key) {
-        char* data = nullptr;
-        Py_ssize_t size = 0;
-        if (PyBytes_AsStringAndSize(key.ptr(), &data, &size) != 0) {
-          throw py::error_already_set();
-        }
-        return digest_bytes(data, static_cast<size_t>(size));
+      "digest",
+      [](const py::bytes& key) {
+        auto bytes = bytes_view(key);
+        return digest_bytes(bytes.data(), bytes.size());
       },
-      "The digest of key bytes, as a walk's `digest` is of its own.");
+      "The digest of key bytes, as NativeWalk.match computes its own.");
   py::class_<FreshBuffers>(m, "FreshBuffers")
       .def(py::init<std::vector<py::object>, std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device>())
       .def("allocate", &FreshBuffers::allocate, "Put a new empty tensor into the call's dict for every fresh output.");

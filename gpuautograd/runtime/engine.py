@@ -235,27 +235,27 @@ def _native_hit(ext, roots, grads, retain_graph: bool, accumulate: bool, backend
     st.walker = NATIVE
     st.cache_hits += 1
     grads = grads if type(grads) is list else list(grads)
-    if entry.replay_native is not None:
-        grad_mode = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            if entry.replay_native(nw, entry.native_arguments, grads, not retain_graph, entry.leaf_delivery):
-                return True, None
-        finally:
-            torch._C._set_grad_enabled(grad_mode)
+    if entry.replay_native is not None and _without_grad(
+        entry.replay_native, nw, entry.native_arguments, grads, not retain_graph, entry.leaf_delivery
+    ):
+        return True, None
     args = nw.arguments(entry.native_arguments, grads, not retain_graph)
     nw.deliver(entry.leaf_delivery, _run_program(entry, args))
     return True, None
 
 
 def _run_program(entry: Entry, args: list) -> list:
-    """The plan's results; the list holds the only references to them. Eager runs backward with
-    grad mode = create_graph, which is False here. Set directly: the torch.no_grad context object
-    costs about 3 µs a call."""
+    """The plan's results; the list holds the only references to them."""
+    return list(_without_grad(entry.compiled, args))
+
+
+def _without_grad(call, *args):
+    """`call(*args)` with grad mode off: eager runs backward with grad mode = create_graph, which is
+    False here. Set directly: the torch.no_grad context object costs about 3 µs a call."""
     grad_mode = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        return list(entry.compiled(args))
+        return call(*args)
     finally:
         torch._C._set_grad_enabled(grad_mode)
 

@@ -259,10 +259,7 @@ class BoundProgram(FusedProgram):
         self._upload(0, D)
         for item in self.schedule:
             if isinstance(item, Segment):
-                if item.graph is not None:
-                    item.graph.replay()
-                else:
-                    self.env[item.name]()
+                self._run_segment(item)
             else:
                 self.env[item.name](D)
                 self._conform(item, D)
@@ -278,20 +275,25 @@ class BoundProgram(FusedProgram):
     def _replay_native(self, nw, plan, arguments, grads: list, release: bool, delivery) -> bool:
         table = self.table
         table.begin()
-        if not nw.bind_replay(arguments, grads, plan, table.host[table.current], 0, release):
+        lo, hi, _ = self.groups[0]  # the only group: a ReplayPlan is made for no other plan
+        if not nw.bind_replay(arguments, grads, plan, table.host[table.current], lo, release):
             return False
-        if self.refs:
-            table.upload(0, len(self.refs))
+        if hi > lo:
+            table.upload(lo, hi)
         for seg in self.segments:
-            if seg.graph is not None:
-                seg.graph.replay()
-            else:
-                self.env[seg.name]()
+            self._run_segment(seg)
         table.end()
         self.replays += 1
         stats_module.STATS.replays += 1
         nw.deliver_replay(plan, delivery)
         return True
+
+    def _run_segment(self, seg: Segment) -> None:
+        """A replay of the segment: its CUDA graph, or on the CPU its function called again."""
+        if seg.graph is not None:
+            seg.graph.replay()
+        else:
+            self.env[seg.name]()
 
     def _plan_native_replay(self, D: dict, outs) -> None:
         """At the first replay since binding, this call as the extension's ReplayPlan, for the

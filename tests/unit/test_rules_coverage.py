@@ -355,6 +355,10 @@ ALL = SELECTION + SCANS + SPECIAL + SCATTER_REDUCE + LAYERS + RECURRENT
 
 @pytest.mark.parametrize("case, dtype", params(ALL))
 def test_coverage_rule(case, dtype):
+    if case.node == "MkldnnRnnLayerBackward0" and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # torch runs a bfloat16 LSTM through oneDNN only where the CPU has bfloat16 instructions
+        # (AVX-512 BF16 or AMX); elsewhere it builds the graph of LSTM cells the other cases cover
+        pytest.skip("this CPU has no oneDNN bfloat16 support: torch builds no MkldnnRnnLayerBackward0 in bfloat16")
     run_case(case, dtype)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from .. import flags
 from ..degrade import describe_error, report
+from . import readers
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "walker.cpp")
 BUILDING = "building gpuautograd's native walker, about a minute, once"
@@ -43,8 +44,13 @@ _state = _State()
 
 
 def _tag() -> str:
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    """The build's name: torch's version, then a hash of what goes into it (the source, the
+    readers' generator and the installed torch's Functions.h they are generated from)."""
+    digest = hashlib.sha256()
+    for path in (SOURCE, readers.__file__, readers.header_path()):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest = digest.hexdigest()[:16]
     version = torch.__version__.replace("+", "_").replace(".", "_")
     return f"torch{version}_{digest}"
 
@@ -85,10 +91,12 @@ def _build(tag: str, final: str):
     print(f"[gpuautograd] {BUILDING}", file=sys.stderr, flush=True)
     scratch = tempfile.mkdtemp(prefix=f".{tag}-", dir=os.path.dirname(final))
     try:
+        readers.write(scratch)  # saved_readers.inc, which walker.cpp includes
         module = cpp_extension.load(
             name=f"gpuautograd_native_{tag}",
             sources=[SOURCE],
             build_directory=scratch,
+            extra_include_paths=[scratch],
             extra_cflags=["-O2"],
             verbose=False,
         )
@@ -134,6 +142,12 @@ def load():
     return _state.module
 
 
+def built():
+    """The compiled module where an earlier load() built or found it, else None; builds nothing.
+    For the per-call checks it answers faster than Python can (GPUAUTOGRAD_NATIVE=0: None)."""
+    return _state.module if flags.native() != "0" else None
+
+
 def reason() -> str | None:
     """Why the native walker is not in use (None while it is, or before the first `load()`)."""
     if flags.native() == "0":
@@ -141,4 +155,4 @@ def reason() -> str | None:
     return _state.reason
 
 
-__all__ = ["load", "reason", "cache_root", "BUILDING"]
+__all__ = ["load", "built", "reason", "cache_root", "BUILDING"]

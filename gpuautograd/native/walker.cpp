@@ -21,9 +21,15 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/utils/grad_layout_contract.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/SavedTensorHooks.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 #include <ATen/ops/_foreach_add.h>
 
 #include <algorithm>
@@ -32,6 +38,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -49,6 +56,7 @@ enum Tag : uint8_t {
   kNode = 1, kEdge, kNoEdge, kMeta, kSaved, kSizes, kLifted, kLeaf, kPython, kRoot, kInput,
   kHooked,  // a node whose saved values carry unpack hooks: it runs opaque
   kGrad,    // an incoming gradient of a root
+  kRead,    // a node's saved values, read by its generated reader (saved_readers.inc)
 };
 
 // The bytes of a Python bytes object, without a copy.
@@ -101,7 +109,7 @@ class KeyWriter {
   // Inline with a constant size, unlike std::string::append: the walk writes a few hundred small
   // fields per node, so each becomes a store.
   template <typename T>
-  void put(const T& value) {
+  C10_ALWAYS_INLINE void put(const T& value) {
     reserve(sizeof(T));
     std::memcpy(bytes_ + size_, &value, sizeof(T));
     size_ += sizeof(T);
@@ -163,6 +171,215 @@ std::optional<std::string> layout_problem(const at::Tensor& t, const Where& wher
   std::ostringstream os;
   os << "a tensor with layout " << t.layout() << " is " << where();
   return os.str();
+}
+
+// The private fields of SavedVariable that its unpack() reads. Access checks don't apply to the
+// names in an explicit instantiation, which is how Expose hands out pointers to them.
+template <typename Tag, typename Tag::type Member>
+struct Expose {
+  friend typename Tag::type member(Tag) { return Member; }
+};
+#define GPUAUTOGRAD_SAVED_FIELD(Tag, Type, field)                      \
+  struct Tag {                                                        \
+    using type = Type SavedVariable::*;                               \
+    friend type member(Tag);                                          \
+  };                                                                  \
+  template struct Expose<Tag, &SavedVariable::field>
+GPUAUTOGRAD_SAVED_FIELD(SavedData, at::Tensor, data_);
+GPUAUTOGRAD_SAVED_FIELD(SavedVersion, uint32_t, saved_version_);
+GPUAUTOGRAD_SAVED_FIELD(SavedDefault, bool, was_default_constructed_);
+GPUAUTOGRAD_SAVED_FIELD(SavedInplaceOnView, bool, is_inplace_on_view_);
+GPUAUTOGRAD_SAVED_FIELD(SavedOriginal, bool, saved_original_);
+GPUAUTOGRAD_SAVED_FIELD(SavedLeaf, bool, is_leaf_);
+GPUAUTOGRAD_SAVED_FIELD(SavedOutput, bool, is_output_);
+#undef GPUAUTOGRAD_SAVED_FIELD
+
+template <typename Tag>
+const auto& field(const SavedVariable& sv) {
+  return sv.*member(Tag{});
+}
+
+// Reads one generated node's saved fields (the readers in saved_readers.inc call it once per field,
+// in declaration order): values go into the key, tensors into the walk's saved list. A tensor is
+// what SavedVariable::unpack would give, checked as unpack checks it (released, modified in place,
+// detached in place), without the fresh tensor unpack makes of a saved output: the data itself.
+class SavedReader {
+ public:
+  SavedReader(KeyWriter& key, std::vector<at::Tensor>& tensors, std::vector<const SavedVariable*>& sources, const NodePtr& node)
+      : key_(key), tensors_(tensors), sources_(sources), node_(node) {}
+
+  void operator()(const SavedVariable& sv) {
+    if (sv.has_hooks()) {
+      hooked = true;  // never unpacked here: the node runs opaque, and its hooks run then
+      return;
+    }
+    if (field<SavedDefault>(sv)) {
+      key_.put<uint8_t>(0);  // saved None
+      return;
+    }
+    const at::Tensor& data = field<SavedData>(sv);
+    if (C10_UNLIKELY(!data.defined() || field<SavedInplaceOnView>(sv) || !unpacks_as_is(sv, data))) {
+      // Released, a view written in place, or a check that fails: unpack as compiled_args does,
+      // which raises torch's own error (or, for the view, makes the tensor).
+      push(sv, sv.unpack(field<SavedOutput>(sv) ? node_ : NodePtr()));
+      return;
+    }
+    push(sv, data);
+  }
+  void operator()(const std::vector<SavedVariable>& list) {
+    key_.put<uint32_t>(list.size());
+    for (const auto& sv : list) {
+      (*this)(sv);
+    }
+  }
+  void operator()(bool v) { key_.put(v); }
+  void operator()(int64_t v) { key_.put(v); }
+  void operator()(uint64_t v) { key_.put(v); }
+  void operator()(double v) { key_.put(v); }
+  void operator()(at::ScalarType v) { key_.put(v); }
+  void operator()(at::Layout v) { key_.put(v); }
+  void operator()(const c10::SymInt& v) {
+    if (auto i = v.maybe_as_int()) {
+      key_.put(*i);
+    } else {
+      symbolic = true;
+    }
+  }
+  void operator()(c10::SymIntArrayRef values) {
+    key_.put<uint32_t>(values.size());
+    for (const auto& v : values) {
+      (*this)(v);
+    }
+  }
+  void operator()(const at::Scalar& v) {
+    if (v.isSymbolic()) {
+      symbolic = true;
+      return;
+    }
+    key_.put(v.type());
+    if (v.isComplex()) {
+      auto c = v.toComplexDouble();
+      key_.put(c.real());
+      key_.put(c.imag());
+    } else if (v.isFloatingPoint()) {
+      key_.put(v.toDouble());
+    } else if (v.isBoolean()) {
+      key_.put(v.toBool());
+    } else if (v.type() == at::kUInt64) {
+      key_.put(v.to<uint64_t>());
+    } else {
+      key_.put(v.toLong());
+    }
+  }
+  void operator()(const std::string& v) { key_.put_raw(reinterpret_cast<const uint8_t*>(v.data()), v.size()); }
+  void operator()(const at::TensorOptions& v) {
+    key_.put<uint8_t>(v.has_dtype());
+    if (v.has_dtype()) {
+      key_.put(v.dtype().toScalarType());
+    }
+    key_.put<uint8_t>(v.has_device());
+    if (v.has_device()) {
+      key_.put(v.device().type());
+      key_.put(v.device().index());
+    }
+    key_.put<uint8_t>(v.has_layout());
+    if (v.has_layout()) {
+      key_.put(v.layout());
+    }
+    key_.put(v.requires_grad());
+    key_.put(v.pinned_memory());
+    key_.put<uint8_t>(v.has_memory_format());
+    if (v.has_memory_format()) {
+      key_.put(*v.memory_format_opt());
+    }
+  }
+  void operator()(const at::TensorGeometry& v) {
+    (*this)(v.sym_sizes());
+    (*this)(v.sym_strides());
+    (*this)(v.sym_storage_offset());
+  }
+  void operator()(const torch::autograd::TypeAndSize& v) {
+    (*this)(c10::SymIntArrayRef(v.sym_sizes));
+    (*this)(v.options);
+  }
+  template <typename T>
+  void operator()(const std::vector<T>& values) {
+    key_.put<uint32_t>(values.size());
+    for (const auto& v : values) {
+      (*this)(v);
+    }
+  }
+  template <typename T>
+  void operator()(const std::optional<T>& v) {
+    key_.put<uint8_t>(v.has_value());
+    if (v) {
+      (*this)(*v);
+    }
+  }
+  template <typename T>
+  void operator()(const c10::OptionalArray<T>& v) {
+    (*this)(v.list);
+  }
+
+  // A list's released flag: its getter raises then, and so does unpacking its elements.
+  void released(bool flag) const { TORCH_CHECK(!flag, torch::autograd::ERR_BACKWARD_TWICE); }
+
+  bool hooked = false;  // a saved value carries unpack hooks
+  bool symbolic = false;  // a value is symbolic (not a plain number)
+  std::optional<std::string> problem;  // a saved tensor's layout the functional backward can't read
+
+ private:
+  // unpack()'s checks, where they pass, without its work: the version matches, and a saved
+  // input that is not a leaf still has its grad_fn (else unpack names the in-place detach).
+  static bool unpacks_as_is(const SavedVariable& sv, const at::Tensor& data) {
+    if (torch::autograd::impl::version_counter(data).current_version() != field<SavedVersion>(sv)) {
+      return false;
+    }
+    return !field<SavedOriginal>(sv) || field<SavedLeaf>(sv) || data.grad_fn() != nullptr;
+  }
+
+  void push(const SavedVariable& sv, at::Tensor tensor) {
+    if (!tensor.defined()) {
+      key_.put<uint8_t>(0);
+      return;
+    }
+    key_.put<uint8_t>(1);
+    if (!problem) {
+      problem = layout_problem(tensor, [&] { return "saved by " + node_->name(); });
+    }
+    if (!problem) {
+      put_tensor_meta(key_, tensor);
+    }
+    tensors_.push_back(std::move(tensor));
+    sources_.push_back(&sv);
+  }
+
+  KeyWriter& key_;
+  std::vector<at::Tensor>& tensors_;
+  std::vector<const SavedVariable*>& sources_;
+  const NodePtr& node_;
+};
+
+using ReadSaved = void (*)(const Node&, SavedReader&);
+struct ReaderEntry {
+  const std::type_info* type;
+  ReadSaved read;
+};
+
+#include "saved_readers.inc"
+
+// The generated reader of a node class, by its type's name pointer (unique per C++ type, as the
+// key uses it), or nullptr: the class goes through compiled_args.
+ReadSaved reader_of(const std::type_info& type) {
+  static const auto* table = [] {
+    auto* t = new std::unordered_map<const char*, ReadSaved>();
+    for (const ReaderEntry* e = saved_readers::kReaders; e->type != nullptr; ++e) {
+      t->emplace(e->type->name(), e->read);
+    }
+    return t;
+  }();
+  auto it = table->find(type.name());
+  return it == table->end() ? nullptr : it->second;
 }
 
 // The words of some pointer-table slots (runtime/replay.py): slot lo + k holds the address of
@@ -583,10 +800,14 @@ AccumulateGrad* as_accumulate_grad(Node* node, int64_t i) {
 // A walk's growable buffers, which each thread keeps one set of between walks: a hit's walk
 // then allocates none of them (about 7 µs of gpt's walk with the caches cold after a forward).
 struct WalkBuffers {
-  WalkBuffers() { nodes.reserve(256); }
+  WalkBuffers() {
+    nodes.reserve(256);
+    saved_sources.reserve(256);
+  }
   std::vector<NodePtr> nodes;
   NodeIndex index;
   KeyWriter key;
+  std::vector<const SavedVariable*> saved_sources;  // the saved list's SavedVariable (compiled_args': nullptr)
 
   static std::unique_ptr<WalkBuffers> take() {
     auto& kept = spare();
@@ -597,6 +818,7 @@ struct WalkBuffers {
     used->nodes.clear();
     used->index.clear();
     used->key.clear();
+    used->saved_sources.clear();
     spare() = std::move(used);
   }
 
@@ -609,7 +831,7 @@ struct WalkBuffers {
 
 class NativeWalk {
  public:
-  NativeWalk() : compiler_(ca::SizeInput::STATIC) {}
+  NativeWalk() { saved_.reserve(256); }
   ~NativeWalk() { WalkBuffers::give_back(std::move(buffers_)); }
   NativeWalk(const NativeWalk&) = delete;
   NativeWalk& operator=(const NativeWalk&) = delete;
@@ -665,13 +887,20 @@ class NativeWalk {
     return py::make_tuple(i, edge.input_nr);
   }
 
-  // For each SavedTensor of the Python walk's slots, the index of its tensor in saved().
+  // For each SavedTensor of the Python walk's slots, the index of its tensor in the saved list.
+  // At capture only: a linear search per slot.
   std::vector<int64_t> saved_index(const std::vector<py::object>& raw) {
     std::vector<int64_t> out;
     out.reserve(raw.size());
     for (const auto& obj : raw) {
-      const auto& sv = obj.cast<const SavedVariable&>();
-      out.push_back(compiler_.tensor_args.lookup(sv).index());
+      const auto* sv = &obj.cast<const SavedVariable&>();
+      auto it = std::find(saved_sources_.begin(), saved_sources_.end(), sv);
+      if (it != saved_sources_.end()) {
+        out.push_back(it - saved_sources_.begin());
+        continue;
+      }
+      TORCH_CHECK(compiler_, "a saved tensor the native walk did not read");
+      out.push_back(ca_index_.at(compiler_->tensor_args.lookup(*sv).index()));
     }
     return out;
   }
@@ -750,9 +979,13 @@ class NativeWalk {
 
   // The cache key of this walk among `table`'s (runtime/cache.py: digest -> the keys
   // (backend, accumulate, "native", key bytes, retained, grad dtypes) with that digest): the one
-  // with these head fields, no retained grads and this walk's bytes, compared in full; else None.
-  // One call for what the digest, a Python tuple and a comparison per candidate would cost.
+  // with these head fields, no retained grads and this walk's bytes, compared in full; else None,
+  // and None for a walk the short path can't use (unsupported or falling back: the general path
+  // reads why). One call for what the digest, a Python tuple and a comparison per candidate cost.
   py::object match(const py::dict& table, const py::object& backend, bool accumulate, const py::object& grad_dtypes) const {
+    if (unsupported_ || fallback_) {
+      return py::none();
+    }
     py::int_ digest(key_.digest());
     PyObject* keys = PyDict_GetItemWithError(table.ptr(), digest.ptr());
     if (keys == nullptr) {
@@ -783,15 +1016,14 @@ class NativeWalk {
 
   // Saved tensor `i` of this walk, for an argument.
   const at::Tensor& saved_argument(int64_t i) const {
-    const auto& saved = compiler_.tensor_args.inputs;
-    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(saved.size()), "saved argument ", i, " is not in this walk");
-    return saved[i];
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(saved_.size()), "saved argument ", i, " is not in this walk");
+    return saved_[i];
   }
 
   // After binding: the walk lets go of its saved tensors and, with `release`, the plan's
   // functional nodes free theirs.
   void let_go(const ArgumentPlan& plan, bool release) {
-    compiler_.tensor_args.inputs.clear();
+    saved_.clear();
     if (release) {
       this->release(plan.release());
     }
@@ -807,7 +1039,9 @@ class NativeWalk {
   py::bytes key() const { return key_.bytes(); }
   // The saved tensors, handed over: afterwards the caller's list holds the only references this
   // walk had, so releasing them frees memory as eager's backward does.
-  std::vector<at::Tensor> take_saved() { return std::exchange(compiler_.tensor_args.inputs, {}); }
+  std::vector<at::Tensor> take_saved() { return std::exchange(saved_, {}); }
+  // How many nodes the generated readers read (the rest went through compiled_args).
+  int64_t read_by_readers() const { return read_by_readers_; }
   size_t size() const { return nodes_.size(); }
   std::optional<std::string> unsupported() const { return unsupported_; }
   std::optional<std::string> fallback() const { return fallback_; }
@@ -891,7 +1125,8 @@ class NativeWalk {
       auto shape = m.shape_as_dim_vector();
       key_.put<uint32_t>(shape.size());
       for (const auto& s : shape) {
-        key_.put(s.guard_int(__FILE__, __LINE__));
+        auto size = s.maybe_as_int();
+        key_.put(size ? *size : s.guard_int(__FILE__, __LINE__));  // a symbolic size: as compiled autograd guards it
       }
       key_.put(m.dtype().toScalarType());
       key_.put(m.device().type());
@@ -959,21 +1194,60 @@ class NativeWalk {
     const NodePtr& node = nodes_[i];
     // The type's name pointer is unique per C++ type and lives as long as the process.
     key_.put(reinterpret_cast<uintptr_t>(type.name()));
-    size_t tensors_before = compiler_.tensor_args.inputs.size();
-    size_t sizes_before = compiler_.all_size_inputs.size();
-    size_t lifted_before = compiler_.lifted_ivalue_args.args.size();
-    size_t hooks_before = compiler_.hooks.size();
+    if (ReadSaved read = reader_of(type)) {
+      read_saved(node, read);
+    } else {
+      collect_saved(node);
+    }
+  }
+
+  // A generated node's saved values, through its reader.
+  void read_saved(const NodePtr& node, ReadSaved read) {
+    ++read_by_readers_;
+    size_t before = saved_.size();
+    key_.put(kRead);
+    SavedReader reader(key_, saved_, saved_sources_, node);
+    read(*node, reader);
+    if (reader.hooked) {
+      // As below: the node runs opaque, keyed by what reads without unpacking.
+      saved_.resize(before);
+      saved_sources_.resize(before);
+      key_.put(kHooked);
+    } else if (reader.symbolic) {
+      unsupported_ = node->name() + " saves a symbolic value";
+    } else if (reader.problem) {
+      set_fallback(*reader.problem);
+    }
+  }
+
+  // Any other node's saved values, through compiled_args: the tensors it collects are moved to
+  // the saved list, each distinct tensor once (ca_index_ maps its index to theirs).
+  void collect_saved(const NodePtr& node) {
+    if (!compiler_) {
+      compiler_.emplace(ca::SizeInput::STATIC);
+    }
+    auto& compiler = *compiler_;
+    size_t tensors_before = compiler.tensor_args.inputs.size();
+    size_t sizes_before = compiler.all_size_inputs.size();
+    size_t lifted_before = compiler.lifted_ivalue_args.args.size();
+    size_t hooks_before = compiler.hooks.size();
     // One NodeCall for every node: compiled_args reads only its node (to unpack saved outputs),
     // and a map entry per node would cost an allocation each.
     call_.node = node;
-    ca::CompiledNodeArgs args(compiler_, call_);
+    ca::CompiledNodeArgs args(compiler, call_);
     try {
       node->compiled_args(args);
     } catch (const c10::NotImplementedError& e) {
       unsupported_ = node->name() + " can't be read natively (" + first_line(e.what_without_backtrace()) + ")";
       return;
     }
-    if (compiler_.hooks.size() != hooks_before) {
+    auto& tensors = compiler.tensor_args.inputs;
+    for (size_t k = tensors_before; k < tensors.size(); ++k) {
+      ca_index_.push_back(static_cast<int64_t>(saved_.size()));
+      saved_.push_back(std::move(tensors[k]));
+      saved_sources_.push_back(nullptr);
+    }
+    if (compiler.hooks.size() != hooks_before) {
       // compiled_args saw a saved variable with unpack hooks and did not unpack it. The node runs
       // opaque, when eager would run it (its unpack hooks run then, once), so its key is what
       // reads without unpacking: its type, edges and input metadata (written above), no saved value.
@@ -983,22 +1257,21 @@ class NativeWalk {
     auto ck = args.key();
     key_.put(kSaved);
     key_.put_raw(ck.key, ck.key_size);
-    const auto& tensors = compiler_.tensor_args.inputs;
-    for (size_t k = tensors_before; k < tensors.size(); ++k) {
-      if (auto problem = layout_problem(tensors[k], [&] { return "saved by " + node->name(); })) {
+    for (size_t k = saved_.size() - (tensors.size() - tensors_before); k < saved_.size(); ++k) {
+      if (auto problem = layout_problem(saved_[k], [&] { return "saved by " + node->name(); })) {
         set_fallback(*problem);
         return;
       }
-      put_tensor_meta(key_, tensors[k]);
+      put_tensor_meta(key_, saved_[k]);
     }
     key_.put(kSizes);
-    const auto& sizes = compiler_.all_size_inputs;
+    const auto& sizes = compiler.all_size_inputs;
     key_.put<uint32_t>(sizes.size() - sizes_before);
     for (size_t k = sizes_before; k < sizes.size(); ++k) {
       key_.put(sizes[k].value);
     }
     key_.put(kLifted);
-    const auto& lifted = compiler_.lifted_ivalue_args.args;
+    const auto& lifted = compiler.lifted_ivalue_args.args;
     for (size_t k = lifted_before; k < lifted.size(); ++k) {
       const at::IValue& iv = *lifted[k].actual_ptr;
       key_.put(iv.isInt() ? iv.toInt() : 0);
@@ -1030,7 +1303,11 @@ class NativeWalk {
   std::vector<NodePtr>& nodes_ = buffers_->nodes;
   NodeIndex& index_ = buffers_->index;
   KeyWriter& key_ = buffers_->key;
-  ca::AutogradCompilerCall compiler_;
+  std::vector<at::Tensor> saved_;  // the walk's saved tensors: the program's saved arguments
+  std::vector<const SavedVariable*>& saved_sources_ = buffers_->saved_sources;
+  int64_t read_by_readers_ = 0;
+  std::optional<ca::AutogradCompilerCall> compiler_;  // made for the first node without a reader
+  std::vector<int64_t> ca_index_;  // compiled_args' tensor index -> the saved list's
   ca::NodeCall call_{0, NodePtr()};
   std::vector<at::Tensor> call_tensors_;  // bind_replay's to deliver_replay's
   py::list root_edges_;
@@ -1063,12 +1340,49 @@ std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std
   return w;
 }
 
+// What rules out every functional backward right now, as api._global_fallback_reason checks it
+// through torch's Python bindings (each binding those checks call reads what this reads), in its
+// order: one call where six cost a microsecond or more each with the caches cold after a forward.
+enum GlobalState : int { kClear = 0, kAnomaly, kSavedTensorHooks, kTransform, kObserved };
+int global_state() {
+  if (torch::autograd::AnomalyMode::is_enabled()) {
+    return kAnomaly;
+  }
+  if (at::SavedTensorDefaultHooks::get_hooks(false).has_value()) {
+    return kSavedTensorHooks;
+  }
+  auto included = c10::impl::tls_local_dispatch_key_set().included_;
+  if (included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) || included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode)) {
+    return kTransform;
+  }
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || torch::profiler::impl::profilerEnabled()) {
+    return kObserved;
+  }
+  return kClear;
+}
+
+// torch's implicit gradient of loss.backward() (torch.ones_like(out, memory_format=
+// torch.preserve_format)) for a plain tensor (type torch.Tensor) that requires grad and is one
+// floating-point element, not nested; None for anything else, and while a torch function mode is
+// active (it would see the ones_like call eager makes in Python).
+py::object implicit_grad(py::handle obj) {
+  if (Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass) || at::impl::PythonTorchFunctionTLS::stack_len() > 0) {
+    return py::none();
+  }
+  const at::Tensor& out = THPVariable_Unpack(obj.ptr());
+  if (!out.requires_grad() || out.is_nested() || !at::isFloatingType(out.scalar_type()) || out.numel() != 1) {
+    return py::none();
+  }
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(at::ones_like(out, at::TensorOptions(), at::MemoryFormat::Preserve)));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<NativeWalk>(m, "NativeWalk")
       .def_property_readonly("key", &NativeWalk::key)
       .def("take_saved", &NativeWalk::take_saved)
+      .def_property_readonly("read_by_readers", &NativeWalk::read_by_readers)
       .def_property_readonly("unsupported", &NativeWalk::unsupported)
       .def_property_readonly("fallback", &NativeWalk::fallback)
       .def_property_readonly("root_edges", &NativeWalk::root_edges)
@@ -1108,6 +1422,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FreshBuffers>(m, "FreshBuffers")
       .def(py::init<std::vector<py::object>, std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device>())
       .def("allocate", &FreshBuffers::allocate, "Put a new empty tensor into the call's dict for every fresh output.");
+  m.def("global_state", &global_state, "What rules out every functional backward now: 0 nothing, 1 anomaly mode, 2 saved-tensor hooks, 3 a torch.func transform, 4 a dispatch mode or the profiler.");
+  m.def("implicit_grad", &implicit_grad, "loss.backward()'s implicit gradient of `out`, or None where torch's general path decides.");
   m.def("post_hook_count", &post_hook_count, "The number of C++ post hooks of a C++ autograd node.");
   m.def("deliver", &deliver_to_python_nodes, "LeafDelivery for the Python walk's node list.");
   m.def("walk", &walk,

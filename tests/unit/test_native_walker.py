@@ -117,6 +117,11 @@ def _variants(kind: str):
         c64 = torch.randn(5, 3, dtype=torch.float64)
         c32 = c64.float()
         return (lambda: (a * c64).sum()), (lambda: (a * c32).sum()), [a]
+    if kind == "scalar":  # one saved number (pow's `exponent`; `t * 2.0` would save a 0-dim tensor)
+        return (lambda: torch.tanh(a).pow(2.0).sum()), (lambda: torch.tanh(a).pow(3.0).sum()), [a]
+    if kind == "dim":  # one saved dimension list (sum's `dim`), same shapes: the node is a square's
+        sq = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+        return (lambda: (sq.sum(0) * torch.arange(4.0)).sum()), (lambda: (sq.sum(1) * torch.arange(4.0)).sum()), [sq]
     if kind == "edge":  # one edge leads elsewhere: same node types, same sizes
         c = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
         return (lambda: (a * c + a).sum()), (lambda: (a * c + c).sum()), [a, c]
@@ -124,7 +129,7 @@ def _variants(kind: str):
 
 
 @pytest.mark.parametrize("walker", WALKERS)
-@pytest.mark.parametrize("kind", ["stride", "dtype", "edge"])
+@pytest.mark.parametrize("kind", ["stride", "dtype", "scalar", "dim", "edge"])
 def test_a_graph_differing_in_one_guard_is_a_miss(kind, walker, monkeypatch):
     _use(walker, monkeypatch)
     first, second, leaves = _variants(kind)
@@ -553,3 +558,121 @@ def test_saved_tensors_that_do_not_line_up_run_eagerly_with_the_reason(monkeypat
     gpuautograd.backward((x.sin() * x).sum())  # a hit of the cached fallback: warned once already
     assert_close(x.grad, (x.cos() * x + x.sin()).detach())
     assert sum(gpuautograd.stats()["fallbacks"].values()) == 2
+
+
+def _native_or_skip():
+    ext = native.load()
+    if ext is None:
+        pytest.skip(f"the native walker is unavailable: {native.reason()}")
+    return ext
+
+
+@pytest.mark.parametrize("name", sorted(SUITE))
+def test_generated_readers_read_every_generated_node_of_the_suite(name):
+    """Each node whose class Functions.h declares is read by its generated reader (not through
+    compiled_args); the saved tensors' parity with the Python walk is checked above."""
+    from gpuautograd.native import readers
+
+    ext = _native_or_skip()
+    with open(readers.header_path()) as f:
+        readable, _ = readers.node_classes(f.read())
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE[name]()
+    loss = loss_fn(model, *make_batch(torch.Generator().manual_seed(0)))
+    nw = ext.walk([loss], [], [torch.ones_like(loss)])
+    generated = sum(nw.node(i).name() in readable for i in range(len(nw)))
+    assert generated > 0
+    assert nw.read_by_readers == generated
+
+
+def _global_state_from_torch() -> int:
+    """global_state()'s answer, from the Python bindings api.py asks without the extension."""
+    if torch.is_anomaly_enabled():
+        return 1
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return 2
+    if torch._C._are_functorch_transforms_active():
+        return 3
+    return 4 if torch._C._len_torch_dispatch_stack() or torch._C._autograd._profiler_enabled() else 0
+
+
+def test_the_extensions_global_state_is_what_torchs_bindings_say():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ext = _native_or_skip()
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    seen = {}
+
+    def note(label):
+        seen[label] = (ext.global_state(), _global_state_from_torch())
+
+    note("nothing")
+    with torch.autograd.detect_anomaly(check_nan=False):
+        note("anomaly")
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        note("saved-tensor hooks")
+    torch.func.vmap(lambda t: (note("vmap"), t)[1])(torch.ones(2))
+    with Mode():
+        note("dispatch mode")
+    with torch.profiler.profile():
+        note("profiler")
+    assert seen == {
+        "nothing": (0, 0),
+        "anomaly": (1, 1),
+        "saved-tensor hooks": (2, 2),
+        "vmap": (3, 3),
+        "dispatch mode": (4, 4),
+        "profiler": (4, 4),
+    }
+
+
+def test_the_extensions_implicit_gradient_is_torchs():
+    from torch.overrides import TorchFunctionMode
+
+    ext = _native_or_skip()
+
+    def made(out):
+        return torch.ones_like(out, memory_format=torch.preserve_format)
+
+    def leaf(*shape, dtype=torch.float32):
+        return torch.randn(*shape, dtype=torch.float64).to(dtype).requires_grad_()
+
+    for out in (
+        leaf(()) * 2,
+        leaf((), dtype=torch.bfloat16) * 2,
+        leaf(1, 1, dtype=torch.float64) * 2,
+        leaf(1, 1, 1, 1).to(memory_format=torch.channels_last) * 2,
+    ):
+        grad, expected = ext.implicit_grad(out), made(out)
+        assert (grad.dtype, grad.shape, grad.stride(), grad.device, grad.requires_grad) == (
+            expected.dtype,
+            expected.shape,
+            expected.stride(),
+            expected.device,
+            expected.requires_grad,
+        )
+        assert torch.equal(grad, expected) and grad.grad_fn is None
+
+    class Sub(torch.Tensor):
+        pass
+
+    complex_scalar = torch.randn((), dtype=torch.complex64, requires_grad=True) * 2
+    declined = {
+        "no grad": torch.ones(()),
+        "two elements": leaf(2) * 2,
+        "complex": complex_scalar,
+        "a Parameter": nn.Parameter(torch.ones(())),
+        "a subclass": (leaf(()) * 2).as_subclass(Sub),
+    }
+    assert {k: ext.implicit_grad(v) for k, v in declined.items()} == dict.fromkeys(declined)
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Seen():  # torch's general path makes it, where the mode sees its ones_like
+        assert ext.implicit_grad(leaf(()) * 2) is None

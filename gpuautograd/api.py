@@ -18,7 +18,7 @@ import torch.autograd as _autograd
 from torch.autograd.graph import GradientEdge
 from torch.overrides import handle_torch_function, has_torch_function
 
-from . import distributed, flags
+from . import distributed, flags, native
 from .capture import hooks, native_walk
 from .ir.ops import get_op
 from .ir.program import Program
@@ -62,10 +62,14 @@ def _unused_input_message() -> str:
     return "One of the differentiated Tensors (index {}) appears to not have been used in the graph."
 
 
-def _implicit_grad(out) -> torch.Tensor | None:
+def _implicit_grad(out, ext) -> torch.Tensor | None:
     """torch's implicit gradient of a plain scalar that requires grad (loss.backward()), without its
     general checks (about 10 µs a call in a training loop, most of them GradientEdge and
-    nested-tensor cases); None for anything else."""
+    nested-tensor cases); None for anything else. The native extension `ext` (native.built()), where
+    built, makes it in one call (and leaves it to torch's general path while a torch function
+    mode is active)."""
+    if ext is not None:
+        return ext.implicit_grad(out)
     if type(out) is torch.Tensor and out.requires_grad and not out.is_nested and out.dtype.is_floating_point and out.numel() == 1:
         return torch.ones_like(out, memory_format=torch.preserve_format)
     return None
@@ -73,7 +77,7 @@ def _implicit_grad(out) -> torch.Tensor | None:
 
 def _make_grads(outputs, grads) -> list[torch.Tensor]:
     """torch's own checks and defaults for grad_tensors (same errors, same implicit ones)."""
-    if len(outputs) == 1 and grads[0] is None and (grad := _implicit_grad(outputs[0])) is not None:
+    if len(outputs) == 1 and grads[0] is None and (grad := _implicit_grad(outputs[0], native.built())) is not None:
         return [grad]
     made = _autograd._make_grads(outputs, grads, is_grads_batched=False)
     return list(made)
@@ -102,22 +106,39 @@ _OBSERVED_REASON = (
 )
 
 
+_ANOMALY_REASON = "anomaly detection mode is enabled"
+_SAVED_HOOKS_REASON = "saved-tensor hooks are active"
+# vmap / grad from torch.func wrap the tensors in batched levels that eager's engine understands;
+# a graph task (how opaque nodes run) is refused inside vmap
+_TRANSFORM_REASON = "a torch.func transform (vmap, grad, jvp) is active"
+# the native extension's global_state() codes, 1 to 3 (4: observed)
+_STATE_REASONS = (None, _ANOMALY_REASON, _SAVED_HOOKS_REASON, _TRANSFORM_REASON)
+_OBSERVED = 4
+
+
 def _global_fallback_reason(create_graph: bool, grads=()) -> str | None:
     """Why no backward can run functionally right now. `grads`: the incoming gradients a caller
     passed (the implicit ones of loss.backward() can't be batched)."""
     if create_graph:
         return "create_graph=True (double backward) needs eager autograd"
-    if _anomaly_enabled():
-        return "anomaly detection mode is enabled"
-    if _saved_tensor_hooks(False) is not None:
-        return "saved-tensor hooks are active"
-    if _transforms_active():
-        # vmap / grad from torch.func wrap the tensors in batched levels that eager's engine
-        # understands; a graph task (how opaque nodes run) is refused inside vmap
-        return "a torch.func transform (vmap, grad, jvp) is active"
+    if (ext := native.built()) is not None:
+        state = ext.global_state()  # the checks below to the observed one, in one call
+        if 0 < state < _OBSERVED:
+            return _STATE_REASONS[state]
+        observed = state == _OBSERVED
+    else:
+        if _anomaly_enabled():
+            return _ANOMALY_REASON
+        if _saved_tensor_hooks(False) is not None:
+            return _SAVED_HOOKS_REASON
+        if _transforms_active():
+            return _TRANSFORM_REASON
+        observed = None  # asked below, after the batched check, as global_state() answers it
     if any(g is not None and _is_legacy_batched(g) for g in grads):  # gradcheck's batched-gradient check
         return "the incoming gradients are batched by torch._vmap_internals.vmap"
-    if (_dispatch_modes() or _profiler_enabled()) and flags.when_observed() == "eager":
+    if observed is None:
+        observed = bool(_dispatch_modes() or _profiler_enabled())
+    if observed and flags.when_observed() == "eager":
         return _OBSERVED_REASON
     return distributed.global_fallback_reason()  # distributed: what rules out every multi-rank backward
 
@@ -132,8 +153,21 @@ def backward(
     backend: str | None = None,
 ) -> None:
     """Drop-in for `torch.autograd.backward`: accumulates gradients into the leaves' `.grad`."""
-    if type(tensors) is torch.Tensor and inputs is None and grad_tensors is None and (grad := _implicit_grad(tensors)) is not None:
+    checked = False  # the roots are known to require grad
+    ext = native.built()
+    if type(tensors) is torch.Tensor and inputs is None and grad_tensors is None and (grad := _implicit_grad(tensors, ext)) is not None:
+        if not create_graph and ext is not None and not ext.global_state() and not distributed.active():
+            # loss.backward(), the common case, in few steps: the checks below in one native call,
+            # then the engine's short path (engine.run_loss)
+            try:
+                engine.run_loss(ext, tensors, grad, bool(retain_graph), backend)
+                return
+            except Fallback as e:
+                warn_fallback(str(e))
+                _eager_backward((tensors,), [grad], bool(retain_graph), create_graph)
+                return
         tensors, inputs, grads = (tensors,), (), [grad]  # loss.backward(): nothing to normalize
+        checked = True  # an implicit gradient is made only for a root that requires grad
     else:
         if _has_gradient_edge(tensors) or _has_gradient_edge(inputs) or (tensors is not None and len(_as_tuple(tensors)) == 0):
             warn_fallback("GradientEdge roots or inputs, or no roots at all, need eager autograd")
@@ -147,7 +181,8 @@ def backward(
         retain_graph = create_graph
     reason = _global_fallback_reason(create_graph, grads if grad_tensors is not None else ())
     if reason is None:
-        _check_roots(tensors)
+        if not checked:
+            _check_roots(tensors)
         for t in inputs:
             if t.grad_fn is not None:
                 t.retain_grad()  # as torch does for non-leaf inputs of backward()

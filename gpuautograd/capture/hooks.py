@@ -77,7 +77,7 @@ def install() -> None:
 
 def tracked_tensors() -> list[torch.Tensor]:
     """The live non-leaf tensors that have had a hook registered or retain_grad() called."""
-    if not _tracked:  # the common case, without the weak dictionary's iteration guard
+    if not _tracked.data:  # the common case, without the weak dictionary's Python-level __len__
         return []
     return list(_tracked.values())
 

@@ -89,6 +89,12 @@ def run_engine(run, *args):
         stack.pop()
 
 
+def active() -> bool:
+    """Is a process group initialized, or a backward of this thread inside run_engine's graph
+    task? Then a backward goes through run_engine (api.backward's short entry leaves it)."""
+    return bool(_frames.stack) or _initialized()
+
+
 def in_graph_task() -> bool:
     """Is a backward of this thread running under an initialized process group, inside
     run_engine's graph task? (Its walk must then be the Python one, which `ddp.plan` reads.)"""

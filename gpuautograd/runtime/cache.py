@@ -35,6 +35,9 @@ class Entry:
     replay_native: Any = None  # a bound program's replay for the native short path (BoundProgram.replay_native)
     other_sinks: bool = True  # sinks other than leaves (retained grads, grad()'s results)
     maybe_undefined: list = field(default_factory=list)  # (output, sources) a custom backward's None may leave undefined
+    # (native_arguments, leaf_delivery, replay_native) where a plain hit may take the engine's
+    # short path, else None: set when the entry is cached, so a hit reads one field, not eight
+    short_path: tuple | None = None
 
 
 STRUCTURES_KEPT = 1024  # graph structures remembered for miss diagnosis and recapture counts

@@ -13,7 +13,8 @@ Each of the two walkers (the native one, the Python walk) is measured, interleav
   replay     gpuautograd.backward(loss) on a cache hit of the "cudagraph" backend: walk the graph,
              build the key, look the plan up, fill and upload the pointer table, replay the
              graph(s), deliver the gradients
-  walk+key   the part of `replay` that walks the graph and builds and looks up the key
+  walk+key   the part of `replay` that walks the graph and builds and looks up the key (the
+             incoming gradient is made before it is timed)
 
 On a machine without CUDA the graphs can't be replayed. The CPU run then measures the same path
 on the "interpret-replay" backend with each segment's work left out (on CUDA that work is one
@@ -136,11 +137,12 @@ def measure(name: str, device: str, iters: int, walkers=WALKERS) -> dict:
     }
 
 
-def look_up(loss, grads, walker: str, backend: str | None = None) -> tuple:
+def look_up(loss, grads, walker: str, backend: str | None = None, ext=None) -> tuple:
     """What a hit of `loss.backward()` runs before it binds, as engine.run does it with `walker`:
-    (the walk, the cached entry or None, whether the native short path takes it)."""
+    (the walk, the cached entry or None, whether the native short path takes it). `ext`: the
+    native extension, where the caller fetched it already (native.load())."""
     if walker == "native":
-        entry, nw = engine.native_lookup(native.load(), [loss], grads, True, backend)
+        entry, nw = engine.native_lookup(ext or native.load(), [loss], grads, True, backend)
         if entry is not None:
             return nw, entry, True
     w, key, *_ = engine.prepare([loss], grads, [], True, backend, walker)
@@ -151,14 +153,16 @@ def _time_walker(walker: str, forward, model, device: str, backend: str, times: 
     with walker_env(walker):
         model.zero_grad(set_to_none=True)
         loss = forward()
+        grads = [torch.ones_like(loss)]  # the backward's prefix makes it; `replay` times that
+        ext = native.load() if walker == "native" else None
         _sync(device)
         gc.disable()  # as engine.run does around the walk
         t0 = time.perf_counter()
-        _, entry, _ = look_up(loss, [torch.ones_like(loss)], walker, backend)
+        w, entry, _ = look_up(loss, grads, walker, backend, ext)
         times[f"walk+key[{walker}]"].append(time.perf_counter() - t0)
         gc.enable()
         assert entry is not None, f"the plan should be cached ({walker} walker)"
-        del entry
+        del w, entry  # the walk is let go of outside the timed part, as the hit lets go of it after delivery
 
         # the replay on a graph of its own: the walk just made would leave this one's caches warm
         model.zero_grad(set_to_none=True)

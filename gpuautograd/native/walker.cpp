@@ -335,7 +335,13 @@ class SavedReader {
     if (torch::autograd::impl::version_counter(data).current_version() != field<SavedVersion>(sv)) {
       return false;
     }
-    return !field<SavedOriginal>(sv) || field<SavedLeaf>(sv) || data.grad_fn() != nullptr;
+    if (!field<SavedOriginal>(sv) || field<SavedLeaf>(sv)) {
+      return true;
+    }
+    // grad_fn() without its call and reference count: a saved non-leaf that lost its grad_fn_
+    // was detached in place (views, whose grad_fn() may regenerate, can't be detached in place).
+    const auto* meta = static_cast<const torch::autograd::AutogradMeta*>(data.unsafeGetTensorImpl()->autograd_meta());
+    return meta != nullptr && meta->grad_fn_ != nullptr;
   }
 
   void push(const SavedVariable& sv, at::Tensor tensor) {

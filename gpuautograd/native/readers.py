@@ -73,7 +73,10 @@ def node_classes(header: str) -> tuple[dict[str, list[tuple[str, str]]], list[st
                 name, fields, ok = m.group(1), [], True
             continue
         if line == "};":
-            (readable.__setitem__(name, fields) if ok else skipped.append(name))
+            if ok:
+                readable[name] = fields
+            else:
+                skipped.append(name)
             name = None
         elif line.startswith("  ") and not line.startswith("   ") and line.endswith(";") and "(" not in line:
             if line.startswith("  using "):

@@ -299,7 +299,7 @@ class SavedReader {
     (*this)(v.sym_storage_offset());
   }
   void operator()(const torch::autograd::TypeAndSize& v) {
-    (*this)(c10::SymIntArrayRef(v.sym_sizes));
+    (*this)(v.sym_sizes);
     (*this)(v.options);
   }
   template <typename T>
@@ -894,15 +894,20 @@ class NativeWalk {
   }
 
   // For each SavedTensor of the Python walk's slots, the index of its tensor in the saved list.
-  // At capture only: a linear search per slot.
+  // At capture only.
   std::vector<int64_t> saved_index(const std::vector<py::object>& raw) {
+    std::unordered_map<const SavedVariable*, int64_t> read;  // the readers' SavedVariables
+    for (size_t k = 0; k < saved_sources_.size(); ++k) {
+      if (saved_sources_[k] != nullptr) {
+        read.emplace(saved_sources_[k], static_cast<int64_t>(k));
+      }
+    }
     std::vector<int64_t> out;
     out.reserve(raw.size());
     for (const auto& obj : raw) {
       const auto* sv = &obj.cast<const SavedVariable&>();
-      auto it = std::find(saved_sources_.begin(), saved_sources_.end(), sv);
-      if (it != saved_sources_.end()) {
-        out.push_back(it - saved_sources_.begin());
+      if (auto it = read.find(sv); it != read.end()) {
+        out.push_back(it->second);
         continue;
       }
       TORCH_CHECK(compiler_, "a saved tensor the native walk did not read");

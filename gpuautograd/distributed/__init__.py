@@ -41,9 +41,16 @@ def install() -> None:
 
 
 _AVAILABLE = torch.distributed.is_available()  # how torch was built: fixed for the process
+# is_initialized() reaches the default group through two Python properties (GroupMember.WORLD,
+# then _world.default_pg), five frames on every backward; the field they end at answers the same
+# in one read, where this torch has it (else is_initialized() runs).
+_C10D = torch.distributed.distributed_c10d if _AVAILABLE else None
+_READ_WORLD = _C10D is not None and hasattr(getattr(_C10D, "_world", None), "_default_pg")
 
 
 def _initialized() -> bool:
+    if _READ_WORLD:
+        return _C10D._world._default_pg is not None
     return _AVAILABLE and torch.distributed.is_initialized()
 
 
@@ -92,7 +99,9 @@ def run_engine(run, *args):
 def active() -> bool:
     """Is a process group initialized, or a backward of this thread inside run_engine's graph
     task? Then a backward goes through run_engine (api.backward's short entry leaves it)."""
-    return bool(_frames.stack) or _initialized()
+    if _frames.stack:
+        return True
+    return _C10D._world._default_pg is not None if _READ_WORLD else _initialized()  # _initialized(), a frame less
 
 
 def in_graph_task() -> bool:

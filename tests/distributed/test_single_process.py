@@ -29,6 +29,21 @@ def world_of_one():
         dist.destroy_process_group()
 
 
+def test_the_process_group_check_reads_what_is_initialized_says():
+    """distributed.active() reads the default group's field directly (a frame per read less than
+    torch.distributed.is_initialized()); both must agree before, during and after a group."""
+    from gpuautograd import distributed
+
+    assert distributed._READ_WORLD  # this torch has the field; else is_initialized() runs
+    assert distributed.active() is dist.is_initialized() is False
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert distributed.active() is dist.is_initialized() is True
+    finally:
+        dist.destroy_process_group()
+    assert distributed.active() is dist.is_initialized() is False
+
+
 def test_graph_task_runs_body_then_queued_callbacks_and_returns_its_result():
     order = []
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -153,19 +154,24 @@ def backward(
     backend: str | None = None,
 ) -> None:
     """Drop-in for `torch.autograd.backward`: accumulates gradients into the leaves' `.grad`."""
+    if type(tensors) is torch.Tensor and inputs is None and grad_tensors is None and not create_graph:
+        # loss.backward(), the common case, in few steps: what the general path below checks
+        # (the flag, the implicit gradient, the global state) in one native call, then the
+        # engine's short path (engine.run_loss). Each Python call skipped costs a microsecond or
+        # more with the caches cold after a forward.
+        ext = native.state.module
+        if ext is not None and os.environ is flags.PROCESS_ENVIRON and (grad := ext.loss_grad(tensors)) is not None:
+            if not distributed.active():
+                try:
+                    engine.run_loss(ext, tensors, grad, bool(retain_graph), backend)
+                    return
+                except Fallback as e:
+                    warn_fallback(str(e))
+                    _eager_backward((tensors,), [grad], bool(retain_graph), create_graph)
+                    return
     checked = False  # the roots are known to require grad
     ext = native.built()
     if type(tensors) is torch.Tensor and inputs is None and grad_tensors is None and (grad := _implicit_grad(tensors, ext)) is not None:
-        if not create_graph and ext is not None and not ext.global_state() and not distributed.active():
-            # loss.backward(), the common case, in few steps: the checks below in one native call,
-            # then the engine's short path (engine.run_loss)
-            try:
-                engine.run_loss(ext, tensors, grad, bool(retain_graph), backend)
-                return
-            except Fallback as e:
-                warn_fallback(str(e))
-                _eager_backward((tensors,), [grad], bool(retain_graph), create_graph)
-                return
         tensors, inputs, grads = (tensors,), (), [grad]  # loss.backward(): nothing to normalize
         checked = True  # an implicit gradient is made only for a root that requires grad
     else:

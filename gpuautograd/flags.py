@@ -19,6 +19,9 @@ class FlagError(ValueError):
 # backing dict (bytes to bytes, updated by every os.environ write) answers the same in one lookup,
 # while os.environ is still that mapping (a test may replace it with a plain dict).
 _ENVIRON = os.environ
+# os.environ as the process started with it: each write to it reaches the C environment (putenv),
+# where the native extension reads a flag without a Python call (not so once a test replaces it).
+PROCESS_ENVIRON = os.environ
 _ENVIRON_DATA = getattr(_ENVIRON, "_data", None) if os.name == "posix" else None
 if not isinstance(_ENVIRON_DATA, dict):
     _ENVIRON_DATA = None

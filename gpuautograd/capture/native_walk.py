@@ -114,7 +114,7 @@ def walk(roots, inputs, grads, walked=None) -> tuple[NativeWalk | None, str | No
 def key_of(w: NativeWalk) -> tuple:
     """The cache key after the backend and accumulate: the native key bytes (the incoming
     gradients, then the graph), then what Python adds to them: the retained grads' (node, output)
-    edges and leaf_grad_dtypes(). The short path's lookup (cache.PlanCache.get_native, and
+    edges and leaf_grad_dtypes(). The short path's lookup (engine.native_lookup, through
     NativeWalk.match in walker.cpp) reads this layout."""
     return ("native", w.native.key, tuple((j, nr) for j, nr, _ in w.retained), w.grad_dtypes)
 

@@ -34,13 +34,13 @@ LOST = (
 )
 
 
-class _State:
+class State:
     module = None
     reason: str | None = None  # why the native walker is not in use
     tried = False
 
 
-_state = _State()
+state = State()  # read by api.backward on every loss.backward() (state.module)
 
 
 def _tag() -> str:
@@ -126,33 +126,33 @@ def load():
     mode = flags.native()
     if mode == "0":
         return None  # not remembered: the flag is read on every backward
-    if _state.tried:
-        if _state.module is None and mode == "1":
-            raise RuntimeError(f"GPUAUTOGRAD_NATIVE=1 but {_state.reason}")
-        return _state.module
-    _state.tried = True
+    if state.tried:
+        if state.module is None and mode == "1":
+            raise RuntimeError(f"GPUAUTOGRAD_NATIVE=1 but {state.reason}")
+        return state.module
+    state.tried = True
     try:
-        _state.module = _compile_or_load()
+        state.module = _compile_or_load()
     except Exception as e:  # a missing compiler, ninja or header, or a compile error on this torch
-        _state.reason = f"the native walker could not be built ({describe_error(e)})"
+        state.reason = f"the native walker could not be built ({describe_error(e)})"
         if mode == "1":
-            raise RuntimeError(f"GPUAUTOGRAD_NATIVE=1 but {_state.reason}") from e
+            raise RuntimeError(f"GPUAUTOGRAD_NATIVE=1 but {state.reason}") from e
         # slower, not wrong: reported like every fallback (logged once; a warning only on request)
-        report(f"gpuautograd: {_state.reason}; the Python walk runs instead: {LOST}")
-    return _state.module
+        report(f"gpuautograd: {state.reason}; the Python walk runs instead: {LOST}")
+    return state.module
 
 
 def built():
     """The compiled module where an earlier load() built or found it, else None; builds nothing.
     For the per-call checks it answers faster than Python can (GPUAUTOGRAD_NATIVE=0: None)."""
-    return _state.module if flags.native() != "0" else None
+    return state.module if flags.native() != "0" else None
 
 
 def reason() -> str | None:
     """Why the native walker is not in use (None while it is, or before the first `load()`)."""
     if flags.native() == "0":
         return "GPUAUTOGRAD_NATIVE=0"
-    return _state.reason
+    return state.reason
 
 
 __all__ = ["load", "built", "reason", "cache_root", "BUILDING"]

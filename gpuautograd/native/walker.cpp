@@ -33,6 +33,7 @@
 #include <ATen/ops/_foreach_add.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -1351,6 +1352,15 @@ std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std
   return w;
 }
 
+// The short path's walk and lookup in one call: (the walk, its key among `table`'s as
+// NativeWalk.match finds it, or None), for a call with no grad dtypes to key.
+py::tuple walk_match(const std::vector<at::Tensor>& roots, const std::vector<std::optional<at::Tensor>>& grads, const py::dict& table,
+                     const py::object& backend, bool accumulate) {
+  auto w = walk(roots, {}, grads);
+  py::object key = w->match(table, backend, accumulate, py::tuple());
+  return py::make_tuple(py::cast(std::move(w)), std::move(key));
+}
+
 // What rules out every functional backward right now, as api._global_fallback_reason checks it
 // through torch's Python bindings (each binding those checks call reads what this reads), in its
 // order: one call where six cost a microsecond or more each with the caches cold after a forward.
@@ -1385,6 +1395,21 @@ py::object implicit_grad(py::handle obj) {
     return py::none();
   }
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(at::ones_like(out, at::TensorOptions(), at::MemoryFormat::Preserve)));
+}
+
+// loss.backward()'s short entry, in one call where the checks cost a microsecond or more each with
+// the caches cold after a forward: the implicit gradient (implicit_grad) where the native walker is
+// not turned off (GPUAUTOGRAD_NATIVE "auto" or "1", read as os.environ writes it) and no global
+// state rules out a functional backward; else None, and api.backward's general path decides.
+py::object loss_grad(py::handle out) {
+  const char* mode = std::getenv("GPUAUTOGRAD_NATIVE");
+  if (mode != nullptr && std::strcmp(mode, "auto") != 0 && std::strcmp(mode, "1") != 0) {
+    return py::none();  // "0", or a value the flag's Python reader rejects with its own error
+  }
+  if (global_state() != kClear) {
+    return py::none();
+  }
+  return implicit_grad(out);
 }
 
 }  // namespace
@@ -1435,6 +1460,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("allocate", &FreshBuffers::allocate, "Put a new empty tensor into the call's dict for every fresh output.");
   m.def("global_state", &global_state, "What rules out every functional backward now: 0 nothing, 1 anomaly mode, 2 saved-tensor hooks, 3 a torch.func transform, 4 a dispatch mode or the profiler.");
   m.def("implicit_grad", &implicit_grad, "loss.backward()'s implicit gradient of `out`, or None where torch's general path decides.");
+  m.def("loss_grad", &loss_grad, "loss.backward()'s implicit gradient where the short entry may take it (native walker on, no global state), else None.");
+  m.def("walk_match", &walk_match, "walk() and NativeWalk.match() in one call: (the walk, its key in the digest table or None).");
   m.def("post_hook_count", &post_hook_count, "The number of C++ post hooks of a C++ autograd node.");
   m.def("deliver", &deliver_to_python_nodes, "LeafDelivery for the Python walk's node list.");
   m.def("walk", &walk,

@@ -73,13 +73,6 @@ class PlanCache:
                 pass
         return entry
 
-    def get_native(self, backend: str, accumulate: bool, nw, grad_dtypes: tuple) -> Entry | None:
-        """The entry that prepare() keys the native walk `nw` by, with no retained grads. The
-        digest finds the candidates; the walk compares the rest of each key, its bytes in full,
-        in C++ (NativeWalk.match), so a collision never gives a wrong plan."""
-        key = nw.match(self.by_digest, backend, accumulate, grad_dtypes)
-        return None if key is None else self.get(key)
-
     def put(self, key, entry: Entry, limit: int) -> None:
         if key not in self.entries and (digest := _short_path_digest(key)) is not None:
             self.by_digest.setdefault(digest, []).append(key)

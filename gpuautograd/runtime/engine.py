@@ -151,9 +151,11 @@ def run_loss(ext, loss: torch.Tensor, grad: torch.Tensor, retain_graph: bool, ba
     gc.disable()  # as run() does
     try:
         roots, grads = [loss], [grad]
-        done, walked = _native_hit(ext, roots, grads, retain_graph, True, backend)
-        if not done:
-            _general(roots, grads, retain_graph, [], True, backend, NATIVE, walked)
+        entry, nw = native_lookup(ext, roots, grads, True, backend)
+        if entry is None:
+            _general(roots, grads, retain_graph, [], True, backend, NATIVE, nw)
+        else:
+            _run_short(entry, nw, grads, retain_graph)
     finally:
         if gc_enabled:
             gc.enable()
@@ -227,15 +229,20 @@ def native_lookup(ext, roots, grads, accumulate: bool, backend: str | None) -> t
     else None; the native walk, or None when the walker refused the graph)."""
     backend = _backend(backend, roots[0])
     try:
-        nw = ext.walk(roots, (), grads)
+        if hooks.grad_dtype_seen:  # the key names the leaves whose grad_dtype is not their dtype
+            nw = ext.walk(roots, (), grads)
+            key = nw.match(CACHE.by_digest, backend, accumulate, native_walk.leaf_grad_dtypes(nw))
+        else:
+            nw, key = ext.walk_match(roots, grads, CACHE.by_digest, backend, accumulate)
     except RuntimeError:  # the general path walks again and says why
         return None, None
     # (a walk the walker refused or that must fall back matches no key: the general path says why)
+    if key is None or not accumulate:
+        return None, nw
     if (tracked := hooks.tracked_tensors()) and any(t.retains_grad and nw.find(t) is not None for t in tracked):
         return None, nw  # a retained gradient in this graph
-    grad_dtypes = native_walk.leaf_grad_dtypes(nw) if hooks.grad_dtype_seen else ()
-    entry = CACHE.get_native(backend, accumulate, nw, grad_dtypes)  # the entry of prepare()'s key for nw
-    if entry is None or entry.short_path is None or not accumulate:
+    entry = CACHE.get(key)  # prepare()'s key for nw: the digest found it, the walk compared it in full
+    if entry is None or entry.short_path is None:
         return None, nw
     return entry, nw
 
@@ -250,15 +257,25 @@ def _native_hit(ext, roots, grads, retain_graph: bool, accumulate: bool, backend
     entry, nw = native_lookup(ext, roots, grads, accumulate, backend)
     if entry is None:
         return False, nw
+    _run_short(entry, nw, grads if type(grads) is list else list(grads), retain_graph)
+    return True, None
+
+
+def _run_short(entry: Entry, nw, grads: list, retain_graph: bool) -> None:
+    """A hit of `entry` on the short path (Entry.short_path): bind, run or replay, deliver."""
     st = stats_module.STATS
     st.walker = NATIVE
     st.cache_hits += 1
-    grads = grads if type(grads) is list else list(grads)
     arguments, delivery, replay = entry.short_path
-    if replay is not None and _without_grad(replay, nw, arguments, grads, not retain_graph, delivery):
-        return True, None
-    nw.deliver(delivery, _run_program(entry, nw.arguments(arguments, grads, not retain_graph)))
-    return True, None
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # as _without_grad: eager's backward runs with grad mode off here
+    try:
+        if replay is not None and replay(nw, arguments, grads, not retain_graph, delivery):
+            return
+        outs = list(entry.compiled(nw.arguments(arguments, grads, not retain_graph)))  # the only references
+        nw.deliver(delivery, outs)
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
 
 
 def _run_program(entry: Entry, args: list) -> list:

@@ -280,8 +280,16 @@ def test_the_cache_compares_a_digest_match_in_full(monkeypatch):
     cache = PlanCache()
     mine, other = Entry(None, None), Entry(None, None)
     cache.put(("reference", True, "native", nw.key, (), ()), mine, limit=8)
-    assert cache.get_native("reference", True, nw, ()) is mine
-    assert cache.get_native("reference", False, nw, ()) is None and cache.get_native("interpret", True, nw, ()) is None
+
+    def get_native(backend, accumulate, walk=nw):
+        return cache.get(walk.match(cache.by_digest, backend, accumulate, ()))
+
+    assert get_native("reference", True) is mine
+    # walk_match (the short path's one call) walks and finds the same key
+    again, key = ext.walk_match([(x * 2).sum()], [torch.tensor(1.0, dtype=torch.float64)], cache.by_digest, "reference", True)
+    assert key == ("reference", True, "native", nw.key, (), ()) and cache.get(key) is mine
+    assert get_native("reference", True, again) is mine
+    assert get_native("reference", False) is None and get_native("interpret", True) is None
     # other keys under the same digest (collisions, forced): a flipped last byte, one byte fewer,
     # one more; only the matching bytes hit
     cache.clear()
@@ -289,13 +297,13 @@ def test_the_cache_compares_a_digest_match_in_full(monkeypatch):
     for impostor in impostors:
         cache.put(impostor, other, limit=8)
     cache.by_digest[digest] = list(impostors)
-    assert cache.get_native("reference", True, nw, ()) is None
+    assert get_native("reference", True) is None
     cache.put(("reference", True, "native", nw.key, (), ()), mine, limit=8)
     cache.by_digest[digest][:0] = impostors
-    assert cache.get_native("reference", True, nw, ()) is mine
+    assert get_native("reference", True) is mine
     # eviction forgets the digest
     cache.put(("reference", True, "native", b"other", (), ()), other, limit=1)
-    assert cache.get_native("reference", True, nw, ()) is None and set(cache.entries) == {("reference", True, "native", b"other", (), ())}
+    assert get_native("reference", True) is None and set(cache.entries) == {("reference", True, "native", b"other", (), ())}
 
 
 @pytest.mark.parametrize("case", ["custom Function", "retained grad", "node hook"])
@@ -306,13 +314,16 @@ def test_a_hit_the_short_path_declines_walks_once(case, monkeypatch):
     gpuautograd.reset()
     ext = native.load()
     walks = []
-    real_walk = ext.walk
 
-    def counting_walk(*args):
-        walks.append(1)
-        return real_walk(*args)
+    def counted(real):
+        def call(*args):
+            walks.append(1)
+            return real(*args)
 
-    monkeypatch.setattr(ext, "walk", counting_walk)
+        return call
+
+    for name in ("walk", "walk_match"):  # walk_match: the short path's walk and lookup in one call
+        monkeypatch.setattr(ext, name, counted(getattr(ext, name)))
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
 
     def run(backward):
@@ -468,7 +479,7 @@ def test_the_flag_is_validated(monkeypatch):
 @pytest.fixture
 def fresh_native_state(monkeypatch):
     """A native module state as before the first load, restored afterwards."""
-    monkeypatch.setattr(native, "_state", native._State())
+    monkeypatch.setattr(native, "state", native.State())
 
 
 def _failing_build():
@@ -607,8 +618,12 @@ def test_the_extensions_global_state_is_what_torchs_bindings_say():
 
     seen = {}
 
+    out = torch.randn((), requires_grad=True) * 2
+
     def note(label):
         seen[label] = (ext.global_state(), _global_state_from_torch())
+        # the short entry's one call makes the implicit gradient only where nothing rules it out
+        assert (ext.loss_grad(out) is None) == (seen[label][0] != 0), label
 
     note("nothing")
     with torch.autograd.detect_anomaly(check_nan=False):
@@ -628,6 +643,25 @@ def test_the_extensions_global_state_is_what_torchs_bindings_say():
         "dispatch mode": (4, 4),
         "profiler": (4, 4),
     }
+
+
+def test_the_short_entrys_gradient_follows_the_native_flag(monkeypatch):
+    """ext.loss_grad reads GPUAUTOGRAD_NATIVE as os.environ writes it: "0" (or a value the flag
+    rejects, which the general path then reports) sends loss.backward() down the general path."""
+    ext = _native_or_skip()
+    out = torch.randn((), dtype=torch.float64, requires_grad=True) * 3
+    for value, made in (("auto", True), ("1", True), ("0", False), ("sometimes", False)):
+        monkeypatch.setenv("GPUAUTOGRAD_NATIVE", value)
+        grad = ext.loss_grad(out)
+        assert (grad is not None) == made, value
+        if made:
+            assert torch.equal(grad, torch.ones_like(out)) and grad.grad_fn is None
+    monkeypatch.delenv("GPUAUTOGRAD_NATIVE")
+    assert ext.loss_grad(out) is not None
+    assert ext.loss_grad(torch.randn((), requires_grad=True).detach()) is None  # needs no gradient: torch's error, from the general path
+    monkeypatch.setenv("GPUAUTOGRAD_NATIVE", "sometimes")
+    with pytest.raises(flags.FlagError, match="GPUAUTOGRAD_NATIVE"):
+        gpuautograd.backward(out)
 
 
 def test_the_extensions_implicit_gradient_is_torchs():

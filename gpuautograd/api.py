@@ -154,6 +154,7 @@ def backward(
     backend: str | None = None,
 ) -> None:
     """Drop-in for `torch.autograd.backward`: accumulates gradients into the leaves' `.grad`."""
+    grad = None  # the implicit gradient, once the short entry made it
     if type(tensors) is torch.Tensor and inputs is None and grad_tensors is None and not create_graph:
         # loss.backward(), the common case, in few steps: what the general path below checks
         # (the flag, the implicit gradient, the global state) in one native call, then the
@@ -171,7 +172,10 @@ def backward(
                     return
     checked = False  # the roots are known to require grad
     ext = native.built()
-    if type(tensors) is torch.Tensor and inputs is None and grad_tensors is None and (grad := _implicit_grad(tensors, ext)) is not None:
+    plain_loss = type(tensors) is torch.Tensor and inputs is None and grad_tensors is None
+    if plain_loss and grad is None:
+        grad = _implicit_grad(tensors, ext)
+    if plain_loss and grad is not None:
         tensors, inputs, grads = (tensors,), (), [grad]  # loss.backward(): nothing to normalize
         checked = True  # an implicit gradient is made only for a root that requires grad
     else:

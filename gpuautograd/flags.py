@@ -18,18 +18,17 @@ class FlagError(ValueError):
 # os.environ.get runs five Python frames per read, and a backward reads three flags. On POSIX its
 # backing dict (bytes to bytes, updated by every os.environ write) answers the same in one lookup,
 # while os.environ is still that mapping (a test may replace it with a plain dict).
-_ENVIRON = os.environ
-# os.environ as the process started with it: each write to it reaches the C environment (putenv),
-# where the native extension reads a flag without a Python call (not so once a test replaces it).
+# os.environ as the process started with it; each write to it also reaches the C environment
+# (putenv), where the native extension reads a flag without a Python call.
 PROCESS_ENVIRON = os.environ
-_ENVIRON_DATA = getattr(_ENVIRON, "_data", None) if os.name == "posix" else None
+_ENVIRON_DATA = getattr(PROCESS_ENVIRON, "_data", None) if os.name == "posix" else None
 if not isinstance(_ENVIRON_DATA, dict):
     _ENVIRON_DATA = None
 _ENCODED_NAMES: dict[str, bytes] = {}
 
 
 def _env(name: str, default: str) -> str:
-    if _ENVIRON_DATA is None or os.environ is not _ENVIRON:
+    if _ENVIRON_DATA is None or os.environ is not PROCESS_ENVIRON:
         return os.environ.get(name, default)
     key = _ENCODED_NAMES.get(name)
     if key is None:

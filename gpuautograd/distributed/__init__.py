@@ -99,9 +99,7 @@ def run_engine(run, *args):
 def active() -> bool:
     """Is a process group initialized, or a backward of this thread inside run_engine's graph
     task? Then a backward goes through run_engine (api.backward's short entry leaves it)."""
-    if _frames.stack:
-        return True
-    return _C10D._world._default_pg is not None if _READ_WORLD else _initialized()  # _initialized(), a frame less
+    return bool(_frames.stack) or _initialized()
 
 
 def in_graph_task() -> bool:

@@ -273,25 +273,16 @@ class BoundProgram(FusedProgram):
         return outs
 
     def _replay_native(self, nw, plan, arguments, grads: list, release: bool, delivery) -> bool:
-        # _replay's steps inlined (a Python call costs a microsecond or more with the caches cold
-        # after a forward); the table's steps are no-ops on the CPU
         table = self.table
-        cuda = table.cuda
-        if cuda:
-            table.begin()
+        table.begin()
         lo, hi, _ = self.groups[0]  # the only group: a ReplayPlan is made for no other plan
         if not nw.bind_replay(arguments, grads, plan, table.host[table.current], lo, release):
             return False
-        if cuda and hi > lo:
+        if hi > lo:
             table.upload(lo, hi)
-        env = self.env
         for seg in self.segments:
-            if seg.graph is not None:  # as _run_segment
-                seg.graph.replay()
-            else:
-                env[seg.name]()
-        if cuda:
-            table.end()
+            self._run_segment(seg)
+        table.end()
         self.replays += 1
         stats_module.STATS.replays += 1
         nw.deliver_replay(plan, delivery)

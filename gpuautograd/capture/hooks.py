@@ -75,9 +75,14 @@ def install() -> None:
             _tracked[id(obj)] = obj
 
 
+# The weak dictionary's own dict: empty while no tensor is tracked (the common case), which a hit
+# reads without a call and without the weak dictionary's Python-level __len__.
+tracked_refs = _tracked.data
+
+
 def tracked_tensors() -> list[torch.Tensor]:
     """The live non-leaf tensors that have had a hook registered or retain_grad() called."""
-    if not _tracked.data:  # the common case, without the weak dictionary's Python-level __len__
+    if not tracked_refs:
         return []
     return list(_tracked.values())
 

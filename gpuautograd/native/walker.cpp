@@ -375,18 +375,57 @@ struct ReaderEntry {
 
 #include "saved_readers.inc"
 
-// The generated reader of a node class, by its type's name pointer (unique per C++ type, as the
-// key uses it), or nullptr: the class goes through compiled_args.
-ReadSaved reader_of(const std::type_info& type) {
-  static const auto* table = [] {
-    auto* t = new std::unordered_map<const char*, ReadSaved>();
-    for (const ReaderEntry* e = saved_readers::kReaders; e->type != nullptr; ++e) {
-      t->emplace(e->type->name(), e->read);
+// The generated readers by node class: an open-addressing table of (type_info address, reader),
+// 16 bytes a slot, so a lookup with the caches cold after a forward costs one line. (A
+// std::unordered_map's bucket, node and chain cost two or three, and hashing the type's name
+// reads the name.) A type_info's address names one class: a generated node class has its key
+// function in libtorch, which holds its one type_info, and the readers' typeid() refers to it.
+class ReaderTable {
+ public:
+  ReaderTable() {
+    size_t n = 0;
+    while (saved_readers::kReaders[n].type != nullptr) {
+      ++n;
     }
-    return t;
-  }();
-  auto it = table->find(type.name());
-  return it == table->end() ? nullptr : it->second;
+    while (slots_.size() < 2 * n + 2) {  // at most half full: short probes
+      slots_.resize(slots_.empty() ? 64 : 2 * slots_.size());
+    }
+    mask_ = slots_.size() - 1;
+    for (const ReaderEntry* e = saved_readers::kReaders; e->type != nullptr; ++e) {
+      size_t k = slot_of(e->type);
+      while (slots_[k].type != nullptr && slots_[k].type != e->type) {
+        k = (k + 1) & mask_;
+      }
+      slots_[k] = *e;
+    }
+  }
+
+  ReadSaved find(const std::type_info* type) const {
+    for (size_t k = slot_of(type);; k = (k + 1) & mask_) {
+      const ReaderEntry& e = slots_[k];
+      if (e.type == type) {
+        return e.read;
+      }
+      if (e.type == nullptr) {
+        return nullptr;
+      }
+    }
+  }
+
+ private:
+  size_t slot_of(const std::type_info* type) const {
+    // Fibonacci hashing of the address: type_info objects sit 16 or more bytes apart
+    return static_cast<size_t>((reinterpret_cast<uintptr_t>(type) * 0x9E3779B97F4A7C15ull) >> 32) & mask_;
+  }
+
+  std::vector<ReaderEntry> slots_;
+  size_t mask_ = 0;
+};
+
+// The generated reader of a node class, or nullptr: the class goes through compiled_args.
+ReadSaved reader_of(const std::type_info& type) {
+  static const ReaderTable table;
+  return table.find(&type);
 }
 
 // The words of some pointer-table slots (runtime/replay.py): slot lo + k holds the address of
@@ -798,7 +837,7 @@ class NodeIndex {
 };
 
 AccumulateGrad* as_accumulate_grad(Node* node, int64_t i) {
-  auto* acc = node != nullptr && typeid(*node) == typeid(AccumulateGrad) ? static_cast<AccumulateGrad*>(node) : nullptr;
+  auto* acc = node != nullptr && &typeid(*node) == &typeid(AccumulateGrad) ? static_cast<AccumulateGrad*>(node) : nullptr;
   TORCH_CHECK(acc, "node ", i, " (", node ? node->name() : std::string("null"), ") is not an AccumulateGrad node");
   return acc;
 }
@@ -807,14 +846,19 @@ AccumulateGrad* as_accumulate_grad(Node* node, int64_t i) {
 // A walk's growable buffers, which each thread keeps one set of between walks: a hit's walk
 // then allocates none of them (about 7 µs of gpt's walk with the caches cold after a forward).
 struct WalkBuffers {
+  using Edge = std::pair<int64_t, uint32_t>;  // (node index, input_nr) in the walk
   WalkBuffers() {
     nodes.reserve(256);
     saved_sources.reserve(256);
+    saved.reserve(256);
   }
   std::vector<NodePtr> nodes;
   NodeIndex index;
   KeyWriter key;
   std::vector<const SavedVariable*> saved_sources;  // the saved list's SavedVariable (compiled_args': nullptr)
+  std::vector<at::Tensor> saved;  // a walk's saved list, between walks: its capacity, emptied
+  std::vector<Edge> root_edges;
+  std::vector<std::optional<Edge>> input_edges;
 
   static std::unique_ptr<WalkBuffers> take() {
     auto& kept = spare();
@@ -826,6 +870,9 @@ struct WalkBuffers {
     used->index.clear();
     used->key.clear();
     used->saved_sources.clear();
+    used->saved.clear();
+    used->root_edges.clear();
+    used->input_edges.clear();
     spare() = std::move(used);
   }
 
@@ -838,8 +885,12 @@ struct WalkBuffers {
 
 class NativeWalk {
  public:
-  NativeWalk() { saved_.reserve(256); }
-  ~NativeWalk() { WalkBuffers::give_back(std::move(buffers_)); }
+  NativeWalk() { saved_.reserve(256); }  // no allocation unless take_saved() took the last walk's
+  ~NativeWalk() {
+    saved_.clear();  // its tensors let go of here, as before; its capacity serves the next walk
+    buffers_->saved = std::move(saved_);
+    WalkBuffers::give_back(std::move(buffers_));
+  }
   NativeWalk(const NativeWalk&) = delete;
   NativeWalk& operator=(const NativeWalk&) = delete;
 
@@ -854,45 +905,32 @@ class NativeWalk {
       key_.put(kGrad);
       put_tensor_meta(key_, *g);
     }
-    std::vector<std::pair<int64_t, uint32_t>> root_edges;
     for (const auto& t : roots) {
       auto edge = torch::autograd::impl::gradient_edge(t);
       TORCH_CHECK(edge.function, "a root tensor has no gradient edge (does it require grad?)");
-      root_edges.emplace_back(discover(edge.function), edge.input_nr);
+      root_edges_.emplace_back(discover(edge.function), edge.input_nr);
     }
     for (size_t i = 0; i < nodes_.size() && !unsupported_; ++i) {  // nodes_ grows: breadth-first
       visit(i);
     }
-    for (auto [j, nr] : root_edges) {
+    for (auto [j, nr] : root_edges_) {
       key_.put(kRoot);
       key_.put(j);
       key_.put(nr);
-      root_edges_.append(py::make_tuple(j, nr));
     }
     for (const auto& t : inputs) {
-      auto j = find(t);
-      input_edges_.append(j);
+      auto edge = find_edge(t);
+      input_edges_.push_back(edge);
       key_.put(kInput);
-      if (!j.is_none()) {
-        auto pair = j.cast<std::pair<int64_t, uint32_t>>();
-        key_.put(pair.first);
-        key_.put(pair.second);
+      if (edge) {
+        key_.put(edge->first);
+        key_.put(edge->second);
       }
     }
   }
 
   // (node index, output_nr) of a tensor's gradient edge in this walk, or None.
-  py::object find(const at::Tensor& t) const {
-    auto edge = torch::autograd::impl::gradient_edge(t);
-    if (!edge.function) {
-      return py::none();
-    }
-    int64_t i = index_.find(edge.function.get());
-    if (i < 0) {
-      return py::none();
-    }
-    return py::make_tuple(i, edge.input_nr);
-  }
+  py::object find(const at::Tensor& t) const { return edge_object(find_edge(t)); }
 
   // For each SavedTensor of the Python walk's slots, the index of its tensor in the saved list.
   // At capture only.
@@ -1057,8 +1095,8 @@ class NativeWalk {
   size_t size() const { return nodes_.size(); }
   std::optional<std::string> unsupported() const { return unsupported_; }
   std::optional<std::string> fallback() const { return fallback_; }
-  py::tuple root_edges() const { return py::tuple(root_edges_); }
-  py::tuple input_edges() const { return py::tuple(input_edges_); }
+  py::tuple root_edges() const { return edge_objects(root_edges_); }
+  py::tuple input_edges() const { return edge_objects(input_edges_); }
 
  private:
   int64_t discover(const NodePtr& fn) {
@@ -1067,6 +1105,32 @@ class NativeWalk {
       nodes_.push_back(fn);
     }
     return i;
+  }
+
+  using Edge = WalkBuffers::Edge;
+
+  std::optional<Edge> find_edge(const at::Tensor& t) const {
+    auto edge = torch::autograd::impl::gradient_edge(t);
+    if (!edge.function) {
+      return std::nullopt;
+    }
+    int64_t i = index_.find(edge.function.get());
+    if (i < 0) {
+      return std::nullopt;
+    }
+    return Edge(i, edge.input_nr);
+  }
+
+  static py::object edge_object(const std::optional<Edge>& edge) { return edge ? py::object(py::make_tuple(edge->first, edge->second)) : py::object(py::none()); }
+
+  // The edges as Python tuples, made when asked (the general path asks; a hit does not).
+  template <typename Edges>
+  static py::tuple edge_objects(const Edges& edges) {
+    py::tuple out(edges.size());
+    for (size_t k = 0; k < edges.size(); ++k) {
+      out[k] = edge_object(edges[k]);
+    }
+    return out;
   }
 
   void set_fallback(std::string reason) {
@@ -1081,9 +1145,11 @@ class NativeWalk {
     key_.put(kNode);
     put_edges(*node);
     put_input_metadata(*node);
-    // The exact type, not a dynamic_cast: a failed cast searches the node's class hierarchy.
+    // The exact type, not a dynamic_cast: a failed cast searches the node's class hierarchy. Its
+    // type_info's address, not type_info::operator==, which compares the names of two types that
+    // differ: AccumulateGrad's one type_info is libtorch's (its key function is there).
     const std::type_info& type = typeid(*node);
-    auto* acc = type == typeid(AccumulateGrad) ? static_cast<AccumulateGrad*>(node) : nullptr;
+    auto* acc = &type == &typeid(AccumulateGrad) ? static_cast<AccumulateGrad*>(node) : nullptr;
     if (acc != nullptr) {
       put_leaf(*acc);
     } else if (PyObject* obj = python_function(*node)) {
@@ -1204,8 +1270,8 @@ class NativeWalk {
 
   void put_cpp(size_t i, const std::type_info& type) {
     const NodePtr& node = nodes_[i];
-    // The type's name pointer is unique per C++ type and lives as long as the process.
-    key_.put(reinterpret_cast<uintptr_t>(type.name()));
+    // The type_info's address names one C++ type (see ReaderTable) and lives as long as the process.
+    key_.put(reinterpret_cast<uintptr_t>(&type));
     if (ReadSaved read = reader_of(type)) {
       read_saved(node, read);
     } else {
@@ -1315,15 +1381,15 @@ class NativeWalk {
   std::vector<NodePtr>& nodes_ = buffers_->nodes;
   NodeIndex& index_ = buffers_->index;
   KeyWriter& key_ = buffers_->key;
-  std::vector<at::Tensor> saved_;  // the walk's saved tensors: the program's saved arguments
+  std::vector<at::Tensor> saved_ = std::move(buffers_->saved);  // the walk's saved tensors: the program's saved arguments
   std::vector<const SavedVariable*>& saved_sources_ = buffers_->saved_sources;
   int64_t read_by_readers_ = 0;
   std::optional<ca::AutogradCompilerCall> compiler_;  // made for the first node without a reader
   std::vector<int64_t> ca_index_;  // compiled_args' tensor index -> the saved list's
   ca::NodeCall call_{0, NodePtr()};
   std::vector<at::Tensor> call_tensors_;  // bind_replay's to deliver_replay's
-  py::list root_edges_;
-  py::list input_edges_;
+  std::vector<Edge>& root_edges_ = buffers_->root_edges;
+  std::vector<std::optional<Edge>>& input_edges_ = buffers_->input_edges;
   std::optional<std::string> unsupported_;  // this graph needs the Python walk
   std::optional<std::string> fallback_;  // this backward must run eagerly
 };
@@ -1352,13 +1418,41 @@ std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std
   return w;
 }
 
-// The short path's walk and lookup in one call: (the walk, its key among `table`'s as
-// NativeWalk.match finds it, or None), for a call with no grad dtypes to key.
-py::tuple walk_match(const std::vector<at::Tensor>& roots, const std::vector<std::optional<at::Tensor>>& grads, const py::dict& table,
-                     const py::object& backend, bool accumulate) {
+// The short path's walk and lookup in one call: (the walk, the plan cache's entry for its key or
+// None), for a call with no grad dtypes to key. `table` is PlanCache.by_digest, where match finds
+// the key; `entries` is PlanCache.entries, an OrderedDict that PlanCache.get reads and moves to its
+// most recent end, as this does; `backends` is the backend resolved for a CPU root and for a CUDA
+// root (engine._backend_by_device). (None, None), with nothing walked, on another device or where
+// the backend can't run on this one: the general path resolves it and says why. One call where a
+// Python frame per step costs a microsecond or more with the caches cold after a forward.
+py::tuple walk_lookup(const std::vector<at::Tensor>& roots, const std::vector<std::optional<at::Tensor>>& grads, const py::dict& table,
+                      const py::object& entries, const std::pair<py::object, py::object>& backends, bool accumulate) {
+  TORCH_CHECK(PyDict_Check(entries.ptr()), "walk_lookup: the cache's entries are a ", Py_TYPE(entries.ptr())->tp_name, ", not a dict");
+  TORCH_CHECK(!roots.empty(), "walk_lookup: no roots");
+  const py::object& backend = roots[0].is_cpu() ? backends.first : roots[0].is_cuda() ? backends.second : py::none();
+  if (backend.is_none()) {
+    return py::make_tuple(py::none(), py::none());
+  }
   auto w = walk(roots, {}, grads);
   py::object key = w->match(table, backend, accumulate, py::tuple());
-  return py::make_tuple(py::cast(std::move(w)), std::move(key));
+  py::object entry = py::none();
+  if (!key.is_none()) {
+    // An OrderedDict keeps its items in its dict part: a plain lookup, then the LRU touch
+    PyObject* found = PyDict_GetItemWithError(entries.ptr(), key.ptr());
+    if (found == nullptr && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    if (found != nullptr) {
+      entry = py::reinterpret_borrow<py::object>(found);
+      static PyObject* move_to_end = PyUnicode_InternFromString("move_to_end");
+      PyObject* done = PyObject_CallMethodOneArg(entries.ptr(), move_to_end, key.ptr());
+      if (done == nullptr) {
+        throw py::error_already_set();
+      }
+      Py_DECREF(done);
+    }
+  }
+  return py::make_tuple(py::cast(std::move(w)), std::move(entry));
 }
 
 // What rules out every functional backward right now, as api._global_fallback_reason checks it
@@ -1461,7 +1555,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("global_state", &global_state, "What rules out every functional backward now: 0 nothing, 1 anomaly mode, 2 saved-tensor hooks, 3 a torch.func transform, 4 a dispatch mode or the profiler.");
   m.def("implicit_grad", &implicit_grad, "loss.backward()'s implicit gradient of `out`, or None where torch's general path decides.");
   m.def("loss_grad", &loss_grad, "loss.backward()'s implicit gradient where the short entry may take it (native walker on, no global state), else None.");
-  m.def("walk_match", &walk_match, "walk() and NativeWalk.match() in one call: (the walk, its key in the digest table or None).");
+  m.def("walk_lookup", &walk_lookup, "walk(), NativeWalk.match() and PlanCache.get() in one call: (the walk, the cached entry for its key or None).");
   m.def("post_hook_count", &post_hook_count, "The number of C++ post hooks of a C++ autograd node.");
   m.def("deliver", &deliver_to_python_nodes, "LeafDelivery for the Python walk's node list.");
   m.def("walk", &walk,

@@ -260,6 +260,19 @@ def test_backend_names_are_checked(monkeypatch):
         gpuautograd.backward(x.sum())
 
 
+def test_a_backend_that_cant_run_on_the_roots_device_is_refused_where_plans_are_cached():
+    """The short path picks the backend resolved for the root's device; one that can't run there
+    (cudagraph on CPU tensors) still raises the general path's error, hit or not."""
+    for _ in range(2):
+        x = rand(3)
+        gpuautograd.backward(x.exp().sum(), backend="interpret-replay")
+        assert_close(x.grad, x.detach().exp())
+    assert gpuautograd.stats()["cache_hits"] == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            gpuautograd.backward(rand(3).exp().sum(), backend="cudagraph")
+
+
 def test_a_hit_runs_no_rule(monkeypatch):
     from gpuautograd.rules import registry
 

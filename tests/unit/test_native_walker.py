@@ -285,10 +285,19 @@ def test_the_cache_compares_a_digest_match_in_full(monkeypatch):
         return cache.get(walk.match(cache.by_digest, backend, accumulate, ()))
 
     assert get_native("reference", True) is mine
-    # walk_match (the short path's one call) walks and finds the same key
-    again, key = ext.walk_match([(x * 2).sum()], [torch.tensor(1.0, dtype=torch.float64)], cache.by_digest, "reference", True)
-    assert key == ("reference", True, "native", nw.key, (), ()) and cache.get(key) is mine
+    # walk_lookup (the short path's one call) walks, finds the same key and reads its entry, which
+    # becomes the most recently used, as PlanCache.get makes it
+    cache.put(("reference", True, "native", b"newer", (), ()), other, limit=8)
+
+    def walk_lookup(backends):
+        return ext.walk_lookup([(x * 2).sum()], [torch.tensor(1.0, dtype=torch.float64)], cache.by_digest, cache.entries, backends, True)
+
+    again, entry = walk_lookup(("reference", None))
+    assert entry is mine and next(reversed(cache.entries)) == ("reference", True, "native", nw.key, (), ())
     assert get_native("reference", True, again) is mine
+    assert walk_lookup(("interpret", None))[1] is None
+    # a backend that can't run on the root's device (None) walks nothing: the general path says why
+    assert walk_lookup((None, "reference")) == (None, None)
     assert get_native("reference", False) is None and get_native("interpret", True) is None
     # other keys under the same digest (collisions, forced): a flipped last byte, one byte fewer,
     # one more; only the matching bytes hit
@@ -322,7 +331,7 @@ def test_a_hit_the_short_path_declines_walks_once(case, monkeypatch):
 
         return call
 
-    for name in ("walk", "walk_match"):  # walk_match: the short path's walk and lookup in one call
+    for name in ("walk", "walk_lookup"):  # walk_lookup: the short path's walk and lookup in one call
         monkeypatch.setattr(ext, name, counted(getattr(ext, name)))
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
 

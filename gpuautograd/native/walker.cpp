@@ -1418,18 +1418,36 @@ std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std
   return w;
 }
 
+// The backend of a short-path lookup, resolved for the device of `root`, or None: `backends` is
+// the (CPU, CUDA) pair of one backend (engine._backend_by_device), or a dict of such pairs by name
+// for GPUAUTOGRAD_BACKEND's value ("auto" where unset), read as os.environ writes it. None for
+// another device, a backend that can't run on this one, or a value not in the dict: the general
+// path resolves it and says why.
+py::object short_path_backend(const at::Tensor& root, const py::object& backends) {
+  PyObject* pair = backends.ptr();
+  if (PyDict_Check(pair)) {
+    const char* name = std::getenv("GPUAUTOGRAD_BACKEND");
+    pair = PyDict_GetItemString(pair, name != nullptr ? name : "auto");  // borrowed
+    if (pair == nullptr) {
+      return py::none();
+    }
+  }
+  TORCH_CHECK(PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2, "walk_lookup: backends is not a (CPU, CUDA) pair or a dict of them");
+  PyObject* backend = root.is_cpu() ? PyTuple_GET_ITEM(pair, 0) : root.is_cuda() ? PyTuple_GET_ITEM(pair, 1) : Py_None;
+  return py::reinterpret_borrow<py::object>(backend);
+}
+
 // The short path's walk and lookup in one call: (the walk, the plan cache's entry for its key or
 // None), for a call with no grad dtypes to key. `table` is PlanCache.by_digest, where match finds
 // the key; `entries` is PlanCache.entries, an OrderedDict that PlanCache.get reads and moves to its
-// most recent end, as this does; `backends` is the backend resolved for a CPU root and for a CUDA
-// root (engine._backend_by_device). (None, None), with nothing walked, on another device or where
-// the backend can't run on this one: the general path resolves it and says why. One call where a
-// Python frame per step costs a microsecond or more with the caches cold after a forward.
+// most recent end, as this does; `backends` as short_path_backend reads it. (None, None), with
+// nothing walked, where that finds no backend. One call where a Python frame per step costs a
+// microsecond or more with the caches cold after a forward.
 py::tuple walk_lookup(const std::vector<at::Tensor>& roots, const std::vector<std::optional<at::Tensor>>& grads, const py::dict& table,
-                      const py::object& entries, const std::pair<py::object, py::object>& backends, bool accumulate) {
+                      const py::object& entries, const py::object& backends, bool accumulate) {
   TORCH_CHECK(PyDict_Check(entries.ptr()), "walk_lookup: the cache's entries are a ", Py_TYPE(entries.ptr())->tp_name, ", not a dict");
   TORCH_CHECK(!roots.empty(), "walk_lookup: no roots");
-  const py::object& backend = roots[0].is_cpu() ? backends.first : roots[0].is_cuda() ? backends.second : py::none();
+  py::object backend = short_path_backend(roots[0], backends);
   if (backend.is_none()) {
     return py::make_tuple(py::none(), py::none());
   }

@@ -10,6 +10,7 @@ import functools
 import gc
 import importlib
 import operator
+import os
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -82,6 +83,13 @@ def _backend_by_device(backend: str) -> tuple[str | None, str | None]:
             return None
 
     return resolved("cpu"), resolved("cuda")
+
+
+@functools.cache
+def _backends_by_name() -> dict[str, tuple[str | None, str | None]]:
+    """_backend_by_device of each value GPUAUTOGRAD_BACKEND accepts, for the native lookup to read
+    the flag itself: flags.backend() is three Python frames."""
+    return {name: _backend_by_device(name) for name in flags.BACKENDS}
 
 
 FUSED_BACKENDS = ("interpret", "triton", "cudagraph", "interpret-replay")
@@ -249,7 +257,10 @@ def native_lookup(ext, roots, grads, accumulate: bool, backend: str | None) -> t
             key = nw.match(CACHE.by_digest, backend, accumulate, native_walk.leaf_grad_dtypes(nw))
             entry = None if key is None else CACHE.get(key)
         else:  # the same steps in one call
-            backends = _backend_by_device(backend or flags.backend())
+            if backend is None and os.environ is flags.PROCESS_ENVIRON:  # the flag, read natively
+                backends = _backends_by_name()
+            else:
+                backends = _backend_by_device(backend or flags.backend())
             nw, entry = ext.walk_lookup(roots, grads, CACHE.by_digest, CACHE.entries, backends, accumulate)
     except RuntimeError:  # the general path walks again and says why
         return None, None

@@ -273,6 +273,29 @@ def test_a_backend_that_cant_run_on_the_roots_device_is_refused_where_plans_are_
             gpuautograd.backward(rand(3).exp().sum(), backend="cudagraph")
 
 
+def test_the_backend_flag_is_read_on_every_hit(monkeypatch):
+    """The short path reads GPUAUTOGRAD_BACKEND natively; a change to it, or a bad value, is seen
+    on the next backward even where that graph's plan is cached under the old value."""
+    from gpuautograd.runtime import engine
+
+    monkeypatch.delenv("GPUAUTOGRAD_BACKEND", raising=False)
+
+    def step():
+        x = rand(3)
+        gpuautograd.backward(x.exp().sum())
+        assert_close(x.grad, x.detach().exp())
+
+    step(), step()
+    assert (gpuautograd.stats()["captures"], gpuautograd.stats()["cache_hits"]) == (1, 1)
+    monkeypatch.setenv("GPUAUTOGRAD_BACKEND", "interpret-replay")
+    step(), step()
+    assert (gpuautograd.stats()["captures"], gpuautograd.stats()["cache_hits"]) == (2, 2)
+    assert {key[0] for key in engine.CACHE.entries} == {"reference", "interpret-replay"}
+    monkeypatch.setenv("GPUAUTOGRAD_BACKEND", "nope")
+    with pytest.raises(ValueError, match="GPUAUTOGRAD_BACKEND"):
+        step()
+
+
 def test_a_hit_runs_no_rule(monkeypatch):
     from gpuautograd.rules import registry
 

@@ -1121,7 +1121,9 @@ class NativeWalk {
     return Edge(i, edge.input_nr);
   }
 
-  static py::object edge_object(const std::optional<Edge>& edge) { return edge ? py::object(py::make_tuple(edge->first, edge->second)) : py::object(py::none()); }
+  static py::object edge_object(const std::optional<Edge>& edge) {
+    return edge ? py::object(py::make_tuple(edge->first, edge->second)) : py::object(py::none());
+  }
 
   // The edges as Python tuples, made when asked (the general path asks; a hit does not).
   template <typename Edges>

@@ -387,10 +387,12 @@ class ReaderTable {
     while (saved_readers::kReaders[n].type != nullptr) {
       ++n;
     }
-    while (slots_.size() < 2 * n + 2) {  // at most half full: short probes
-      slots_.resize(slots_.empty() ? 64 : 2 * slots_.size());
+    size_t capacity = 64;  // a power of two, at most half full: short probes
+    while (capacity < 2 * n + 2) {
+      capacity *= 2;
     }
-    mask_ = slots_.size() - 1;
+    slots_.resize(capacity);
+    mask_ = capacity - 1;
     for (const ReaderEntry* e = saved_readers::kReaders; e->type != nullptr; ++e) {
       size_t k = slot_of(e->type);
       while (slots_[k].type != nullptr && slots_[k].type != e->type) {

@@ -65,6 +65,8 @@ class PlanCache:
         return previous, count + 1
 
     def get(self, key) -> Entry | None:
+        # The short path's native walk_lookup takes these two steps itself (a frame saved on a hit):
+        # a change here is a change there.
         entry = self.entries.get(key)
         if entry is not None:
             try:

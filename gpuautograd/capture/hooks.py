@@ -30,8 +30,11 @@ on_eval_dropout: list = []
 # and the walk need not read it.
 grad_dtype_seen = False
 # Whether a non-leaf tensor was ever detached in place: eager's engine refuses a node whose saved
-# input was detached so, and only SavedTensor.unpack() shows it; from then on the walk looks.
+# input was detached so; from then on the walk looks. Where SavedTensor.unpack() exists (torch
+# 2.13) it shows that exactly; older torches (2.11) have no such binding, so the tensors detached
+# in place are remembered here, weakly (id -> tensor, as _tracked), for the walk to recognize.
 inplace_detach_seen = False
+detached_in_place: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 # SavedTensor.register_hooks as torch defines it: gpuautograd's own release calls it directly,
 # without the watching wrapper (a Python frame per saved tensor, on every backward).
 register_saved_hooks = torch._C._autograd.SavedTensor.register_hooks
@@ -155,9 +158,11 @@ def _watch_grad_dtype() -> None:
     torch.Tensor.grad_dtype = property(descriptor.__get__, set_grad_dtype, doc=descriptor.__doc__)
 
 
-def note_inplace_detach() -> None:
+def note_inplace_detach(tensor: torch.Tensor | None = None) -> None:
     global inplace_detach_seen
     inplace_detach_seen = True
+    if tensor is not None:
+        detached_in_place[id(tensor)] = tensor
 
 
 def _watch_inplace_detach() -> None:
@@ -165,7 +170,7 @@ def _watch_inplace_detach() -> None:
 
     def detach_(self):
         if self.grad_fn is not None:
-            note_inplace_detach()
+            note_inplace_detach(self)
         return original(self)
 
     detach_.__doc__ = original.__doc__

@@ -286,12 +286,26 @@ def detached_saved_reason(node, info: NodeClass) -> str | None:
         for sv, v in zip(raw if many else (raw,), value if many else (value,)):
             if sv is None or v is None:
                 continue
-            try:
-                sv.unpack()
-            except RuntimeError as e:
-                if DETACHED_IN_PLACE in str(e) and v.grad_fn is not node:
-                    return f"a saved input of {info.name} was detached in place (.detach_()): eager raises torch's error if it runs"
+            if v.grad_fn is not node and _detached_in_place(sv, v):
+                return f"a saved input of {info.name} was detached in place (.detach_()): eager raises torch's error if it runs"
     return None
+
+
+_SAVED_UNPACK = getattr(torch._C._autograd.SavedTensor, "unpack", None)  # torch 2.13 has it, 2.11 not
+
+
+def _detached_in_place(sv, value) -> bool:
+    """Whether eager's unpack of the saved input `sv` (read for its node as `value`) would refuse
+    it as detached in place. Without SavedTensor.unpack, `value` is the saved tensor itself and
+    the wrapped detach_ remembered it; that also counts one saved again after its detach_ (eager
+    runs that node), which then only runs eagerly: the same gradients, slower."""
+    if _SAVED_UNPACK is None:
+        return hooks.detached_in_place.get(id(value)) is value
+    try:
+        _SAVED_UNPACK(sv)
+    except RuntimeError as e:
+        return DETACHED_IN_PLACE in str(e)
+    return False
 
 
 def read_saved(node, info: NodeClass) -> dict:

@@ -12,6 +12,8 @@ every saved tensor's strides), so the rules read it at capture time.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .matrix import add_maybe, diag_embed, eye_mask, matmul, matmul3, mT, require_real, solve_triangular, tril, triu
@@ -144,8 +146,8 @@ def linalg_det_backward(b, node, grads):
     if grad is None:
         return [None]
     require_real(node, A, grad)
-    if A.type.numel() == 0:  # torch's formula returns undefined here, which its engine delivers as an empty gradient
-        return [b.zeros(A.type)]
+    if A.type.numel() == 0:  # torch's formula returns undefined here; whether .grad is then empty or None depends on the torch
+        return [None] if _empty_det_has_no_gradient() else [b.zeros(A.type)]
     eps = torch.finfo(LU.dtype).eps
     # a zero pivot (a singular A) is nudged by eps: det is C^1, so the perturbed solve approximates the adjugate
     on_diagonal = eye_mask(b, LU.shape[-1], LU.device)
@@ -153,6 +155,16 @@ def linalg_det_backward(b, node, grads):
     LU_ = b.add(LU, b.cast(nudge, LU.dtype))
     d = _diagonal_rhs(b, b.mul(grad, det), pivots)
     return [_lu_solve(b, LU_, pivots, d, left=True, adjoint=not _uses_A_T(node))]
+
+
+@functools.cache
+def _empty_det_has_no_gradient() -> bool:
+    """Whether the installed torch leaves an empty matrix's det gradient undefined (2.11) rather
+    than delivering an empty tensor (2.13). Asked of torch itself, once."""
+    a = torch.zeros(0, 0, dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad():
+        (g,) = torch.autograd.grad(torch.linalg.det(a), a, allow_unused=True)
+    return g is None
 
 
 @register("LinalgSlogdetBackward0")

@@ -6,6 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpuautograd
+from gpuautograd.capture import walk as walk_module
 from tests.helpers import assert_close
 from tests.unit.test_fidelity import both, functional_calls
 
@@ -135,6 +136,26 @@ def test_saved_input_detached_in_place_raises_torchs_error():
     actual, expected = both(run)
     assert expected is not None and "detached in-place" in expected
     assert actual == expected
+
+
+@pytest.mark.parametrize("how", ["SavedTensor.unpack", "the wrapped detach_"])
+def test_python_walk_tells_a_detached_saved_input_from_a_detached_output(monkeypatch, how):
+    # torch 2.13 answers through SavedTensor.unpack; torch 2.11 has no such binding, and the walk
+    # then recognizes the tensors the wrapped Tensor.detach_ remembered. Both must agree.
+    if how == "SavedTensor.unpack" and walk_module._SAVED_UNPACK is None:
+        pytest.skip("this torch's SavedTensor has no unpack")
+    if how == "the wrapped detach_":
+        monkeypatch.setattr(walk_module, "_SAVED_UNPACK", None)
+    x = torch.randn(4, 3, dtype=torch.double, requires_grad=True)
+    a = (x * 2).clone()
+    b = a.sin()  # saves its input a
+    c = x.exp()  # saves its output c
+    loss = (b + c).sum()
+    c.detach_()
+    assert walk_module.walk([loss.grad_fn]).hook_reason is None  # a saved output: eager runs it
+    a.detach_()
+    reason = walk_module.walk([loss.grad_fn]).hook_reason
+    assert reason is not None and "SinBackward0" in reason and "detached in place" in reason
 
 
 @pytest.mark.usefixtures("walker")

@@ -72,14 +72,20 @@ for pair in "${pairs[@]}"; do
         for m in "${MODELS[@]}"; do args+=(--model "$m"); done
         echo "== compile_check, $backend plans, sm_80 and sm_90"
         "$py" -m gpuautograd compile-check "${args[@]}" --arch 80 --arch 90 --backend "$backend" 2>&1 |
-            grep -v "^W[0-9]" || archs=1  # torch's "no CUDA runtime" log lines aside
+            grep -v "^W[0-9]" | tee -a "$junit.cc" || archs=1  # torch's "no CUDA runtime" log lines aside
     done
 
     line=$("$py" - "$pair" "$versions" "$build" "$suite" "$archs" "$junit" <<'PY'
-import json, sys
+import json, re, sys
 import xml.etree.ElementTree as ET
 
 pair, versions, build, suite, archs, junit = sys.argv[1:]
+compiled = failed = 0
+try:
+    for m in re.finditer(r"(\d+) compiled, (\d+) failed", open(junit + ".cc").read()):
+        compiled, failed = compiled + int(m[1]), failed + int(m[2])
+except OSError:
+    pass
 counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 try:
     for s in ET.parse(junit).getroot().iter("testsuite"):
@@ -90,10 +96,11 @@ except (OSError, ET.ParseError):
 print(json.dumps({
     "pair": pair, "versions": versions, "native_build_rc": int(build), "pytest_rc": int(suite),
     "suite": counts, "compile_check_failed": bool(int(archs)),
+    "compile_check": {"compiled": compiled, "failed": failed},
 }))
 PY
 )
-    rm -f "$junit"
+    rm -f "$junit" "$junit.cc"
     echo "   $line"
     results+=("$line")
     if [ "$build" -ne 0 ] || [ "$suite" -ne 0 ] || [ "$archs" -ne 0 ]; then

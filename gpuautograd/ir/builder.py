@@ -111,6 +111,9 @@ class Builder:
         n = 1
         for d in dims:
             n *= x.shape[d]
+        if x.dtype in (torch.float16, torch.bfloat16):
+            # torch's mean sums and divides in float32 and rounds once; a half sum divided in half rounds twice
+            return self.cast(self.div(self.sum(self.cast(x, torch.float32), dims, keepdim), n), x.dtype)
         return self.div(self.sum(x, dims, keepdim), n)
 
     def sum_to(self, x: Value, shape: Sequence[int]) -> Value:

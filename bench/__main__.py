@@ -1,12 +1,17 @@
 """The benchmark harness: backward of the model suite in every mode, side by side.
 
     python -m bench [--quick] [--device cpu|cuda] [--out DIR] [--models a,b] [--modes a,b]
+    python -m bench --size gpt2-small|llama-1b [--device cpu|cuda] [--out DIR] [--batch N] [--seq N] [--modes a,b] [--budget S]
 
 Modes: eager torch backward, torch's compiled autograd with inductor, each gpuautograd backend.
 Per model and mode: backward time, host time, launches, peak memory (CUDA), first-call time and
 gradient agreement with eager. Prints a table, writes DIR/results.json and DIR/speedup.png.
 Every ratio is measured side by side in this one run. Exits 1 when a gpuautograd mode failed or
 its gradients disagree with eager.
+
+With --size, one training size (bench/sizes.py) instead of the suite: on CUDA a bf16 training step
+per mode (bench/training_measure.py), on the CPU its backward planned (bench/training_plan.py);
+writes DIR/training_<size>.json. --budget caps the whole command's seconds.
 """
 
 from __future__ import annotations
@@ -19,10 +24,31 @@ import torch
 
 from .harness import Config, run
 from .report import print_table, write_chart, write_json
+from .sizes import SIZES
+from .training import modes_for, run_size, table
 
 
 def _split(text: str | None) -> list[str] | None:
     return [s.strip() for s in text.split(",") if s.strip()] if text else None
+
+
+def _run_size(p: argparse.ArgumentParser, args) -> int:
+    size = SIZES[args.size] if args.layers is None else SIZES[args.size].with_config(n_layers=args.layers)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    if args.device == "cpu" and args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        modes_for(args.device, _split(args.modes))
+    except ValueError as e:
+        p.error(str(e))
+    what = "a bf16 training step per mode" if args.device == "cuda" else "the backward's plan"
+    print(f"{args.size} on {args.device}: {what}" + (f", budget {args.budget:g} s" if args.budget else ""))
+    results = run_size(size, args.device, Path(args.out), args.batch, args.seq, _split(args.modes), args.budget)
+    print(table(results))
+    print(f"wrote {Path(args.out) / f'training_{size.name}.json'}")
+    bad = [r for r in results["rows"] if r["mode"] != "eager" and (r["status"] == "error" or r.get("grad_ok") is False)]
+    return 1 if bad or "error" in results else 0
 
 
 def main(argv=None) -> int:
@@ -41,7 +67,15 @@ def main(argv=None) -> int:
         help="torch threads on the CPU (default 1: ratios stay stable when another process takes a core; 0 keeps torch's default)",
     )
     p.add_argument("--no-transformers", action="store_true", help="leave out the transformers models even when installed")
+    sizes = p.add_argument_group("training sizes (--size)")
+    sizes.add_argument("--size", choices=tuple(SIZES), help="one training size instead of the model suite")
+    sizes.add_argument("--batch", type=int, help="batch size (default: the size's for the device)")
+    sizes.add_argument("--seq", type=int, help="sequence length (default: the size's for the device)")
+    sizes.add_argument("--layers", type=int, help="fewer layers, for a quick look (the figures are then not the size's)")
+    sizes.add_argument("--budget", type=float, help="seconds for the whole command; modes share it (default: no limit)")
     args = p.parse_args(argv)
+    if args.size:
+        return _run_size(p, args)
 
     cfg = Config.for_run(args.device, args.quick, reps=args.reps, warmup=args.warmup)
     cfg.models, cfg.modes, cfg.include_transformers = _split(args.models), _split(args.modes), not args.no_transformers

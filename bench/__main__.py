@@ -39,7 +39,7 @@ def _run_size(p: argparse.ArgumentParser, args) -> int:
     if args.device == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     try:
-        modes_for(args.device, _split(args.modes))
+        modes_for("measure" if args.device == "cuda" else "plan", _split(args.modes))
     except ValueError as e:
         p.error(str(e))
     what = "a bf16 training step per mode" if args.device == "cuda" else "the backward's plan"

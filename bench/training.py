@@ -23,27 +23,27 @@ from .training_measure import measure_notes, run_measure, training_modes
 from .training_plan import STEPS, peak_rss_bytes, plan_notes, run_plan
 
 
-def modes_for(device: str, names: list[str] | None) -> list[str]:
-    """The modes (CUDA) or steps (CPU) to run, in order; eager always first (the reference)."""
-    known = [m.name for m in training_modes()] if device == "cuda" else list(STEPS)
+def modes_for(kind: str, names: list[str] | None) -> list[str]:
+    """The modes ("measure") or steps ("plan") to run, in order; eager always first (the reference)."""
+    known = [m.name for m in training_modes()] if kind == "measure" else list(STEPS)
     if names is None:
         return known
     unknown = set(names) - set(known)
     if unknown:
-        raise ValueError(f"unknown mode(s) {sorted(unknown)} on {device}; known: {known}")
+        raise ValueError(f"unknown mode(s) {sorted(unknown)} for --size ({kind}); known: {known}")
     return [m for m in known if m == "eager" or m in names]
 
 
-def _meta(size: Size, device: str, batch: int, seq: int, budget: Budget) -> dict:
+def _meta(size: Size, device: str, kind: str, batch: int, seq: int, budget: Budget) -> dict:
     return {
         "size": size.name,
         "description": size.description,
         "config": asdict(size.config),
         "params": size.count(size.config),
-        "kind": "measure" if device == "cuda" else "plan",
+        "kind": kind,
         "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
-        "dtype": "bfloat16 autocast" if device == "cuda" else "float32",
+        "dtype": "bfloat16 autocast" if kind == "measure" else "float32",
         "batch": batch,
         "seq": seq,
         "budget_s": budget.total_s,
@@ -56,16 +56,27 @@ def _meta(size: Size, device: str, batch: int, seq: int, budget: Budget) -> dict
 
 
 def run_size(
-    size: Size, device: str, out: Path, batch: int | None, seq: int | None, modes: list[str] | None, budget_s: float | None, log=print
+    size: Size,
+    device: str,
+    out: Path,
+    batch: int | None = None,
+    seq: int | None = None,
+    modes: list[str] | None = None,
+    budget: Budget | float | None = None,
+    log=print,
+    kind: str | None = None,
 ) -> dict:
-    """Run the size, write DIR/training_<size>.json, return the results."""
+    """Run the size, write DIR/training_<size>.json, return the results. `kind` "measure" (the
+    default on CUDA) times training steps, "plan" (the default on the CPU) plans the backward;
+    tests measure on the CPU. `budget`: seconds, or a Budget (tests give it a clock)."""
+    kind = kind or ("measure" if device == "cuda" else "plan")
     shape = size.shapes[device]
     batch, seq = batch or shape.batch, seq or shape.seq
-    names = modes_for(device, modes)
-    budget = Budget(budget_s)
-    results = {"meta": _meta(size, device, batch, seq, budget), "notes": [], "rows": []}
+    names = modes_for(kind, modes)
+    budget = budget if isinstance(budget, Budget) else Budget(budget)
+    results = {"meta": _meta(size, device, kind, batch, seq, budget), "notes": [], "rows": []}
     try:
-        if device == "cuda":
+        if kind == "measure":
             chosen = [m for m in training_modes() if m.name in names]
             results.update(run_measure(size, device, batch, seq, chosen, budget, log))
             results["notes"] = measure_notes(device)
@@ -93,7 +104,7 @@ def _fmt(value, scale: float = 1.0, fmt: str = ".1f") -> str:
 
 
 COLUMNS = {
-    "cuda": (
+    "measure": (
         ("backward ms", "backward_ms", 1, ".1f"),
         ("step ms", "step_ms", 1, ".1f"),
         ("peak GiB", "peak_mem_bytes", 2**30, ".1f"),
@@ -101,7 +112,7 @@ COLUMNS = {
         ("grad rel err", "grad_rel_err", 1, ".1e"),
         ("grad ok", "grad_ok", None, None),
     ),
-    "cpu": (
+    "plan": (
         ("launches", "launches", 1, ".0f"),
         ("kernels", "kernels", 1, ".0f"),
         ("GB moved", "bytes_moved", 1e9, ".2f"),
@@ -116,7 +127,7 @@ COLUMNS = {
 
 
 def table(results: dict) -> str:
-    columns = COLUMNS[results["meta"]["device"]]
+    columns = COLUMNS[results["meta"]["kind"]]
     header = ["mode", "status", *(c[0] for c in columns), "time s"]
     lines = [header]
     for row in results["rows"]:

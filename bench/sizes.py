@@ -193,13 +193,15 @@ def _init(model: nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
 
 
-# Default shapes. CUDA: bf16 autocast on an H200 (about 139 GiB). gpt2-small at batch 32 x 1024 keeps
-# about 60-70 GiB of activations under eager (12 layers x ~34 saved values of B*T*768 or B*T*3072,
-# plus the fp32 logits of 32k tokens x 50257 = 6.6 GB and their gradient): room for the modes that
-# hold more. llama-1b at batch 6 x 2048: 1.1B params in fp32 with grads and AdamW state take 17.6 GB,
-# activations ~22 layers x ~1.8 GB at 12k tokens plus 12k x 32000 fp32 logits (1.6 GB, and grad):
-# about 60-80 GiB, again leaving headroom. CPU: batch 1, fp32; llama-1b at seq 256 so that planning
-# stays in minutes and the process under ~16 GB (weights, eager's and the plan's gradients).
+# Default shapes, estimated (no GPU run yet). CUDA: bf16 autocast on an H200 (about 139 GiB), with
+# headroom for modes that hold more than eager (compiled graphs' pools, a plan's arena).
+# gpt2-small at 32 x 1024 = 32k tokens: ~1.5 GB of saved activations per layer (fp32 residual and
+# norms, bf16 matmul inputs, 4x MLP), 12 layers ~18 GB, plus the logits of 32k tokens x 50257 in
+# bf16 and fp32, log-softmax and gradient (~23 GB): about 45 GB with weights and AdamW state.
+# llama-1b at 6 x 2048 = 12k tokens: fp32 weights, gradients and AdamW state 17.6 GB, ~2 GB of
+# activations per layer x 22, logits of 12k x 32000 (~5 GB with their fp32 copies): about 65 GB.
+# CPU: batch 1, fp32; llama-1b at seq 256 so that the plan's run stays in minutes and the process
+# under ~16 GB (weights, eager's and the plan's gradients: 3 x 4.4 GB).
 SIZES: dict[str, Size] = {
     "gpt2-small": Size(
         "gpt2-small",

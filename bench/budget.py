@@ -26,6 +26,24 @@ class StepTimeout(BaseException):
     `except Exception` handlers do not swallow it)."""
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived (a job's timeout, a kill): the caller still writes what it has."""
+
+
+@contextmanager
+def terminate_raises():
+    """Turn SIGTERM into Terminated for the block."""
+
+    def on_term(signum, frame):
+        raise Terminated("interrupted by SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextmanager
 def time_limit(seconds: float | None):
     """Raise StepTimeout in this (main) thread after `seconds`; None means no limit."""

@@ -150,6 +150,8 @@ class Size:
     count: Callable[[object], int]  # the parameter count by formula
     shapes: dict[str, Shape] = field(default_factory=dict)  # device -> default batch and sequence
     description: str = ""
+    # CPU steps (bench/training_plan.py) left out unless asked for by --modes, with why
+    cpu_left_out: dict[str, str] = field(default_factory=dict)
 
     @property
     def vocab(self) -> int:
@@ -218,6 +220,10 @@ SIZES: dict[str, Size] = {
         llama_params,
         {"cuda": Shape(6, 2048), "cpu": Shape(1, 256)},
         "Llama 1.1B: 22 layers, d_model 2048, 32 heads / 4 KV heads, SwiGLU 5632, rotary, vocab 32000",
+        {
+            "plan-run": "left out by default at 1.1B parameters: it took over 20 GB of RSS (fp32 weights, eager's gradients, "
+            "the plan's gradients, the bound plan's copies of matmul inputs; 4.4 GB each); --modes plan-run runs it"
+        },
     ),
 }
 

@@ -16,7 +16,7 @@ import torch
 
 import gpuautograd
 
-from .budget import Budget
+from .budget import Budget, Terminated, terminate_raises
 from .harness import _git_commit
 from .sizes import Size
 from .training_measure import measure_notes, run_measure, training_modes
@@ -75,15 +75,17 @@ def run_size(
     names = modes_for(kind, modes)
     budget = budget if isinstance(budget, Budget) else Budget(budget)
     results = {"meta": _meta(size, device, kind, batch, seq, budget), "notes": [], "rows": []}
+    rows = results["rows"]
     try:
-        if kind == "measure":
-            chosen = [m for m in training_modes() if m.name in names]
-            results.update(run_measure(size, device, batch, seq, chosen, budget, log))
-            results["notes"] = measure_notes(device)
-        else:
-            results.update(run_plan(size, batch, seq, names, budget, log))
-            results["notes"] = plan_notes()
-    except Exception as e:  # building the model failed: the JSON still says so
+        with terminate_raises():
+            if kind == "measure":
+                results["notes"] = measure_notes(device)
+                chosen = [m for m in training_modes() if m.name in names]
+                results.update(run_measure(size, device, batch, seq, chosen, budget, log, rows=rows))
+            else:
+                results["notes"] = plan_notes()
+                results.update(run_plan(size, batch, seq, names, budget, log, asked=modes is not None and "plan-run" in modes, rows=rows))
+    except (Exception, Terminated) as e:  # building the model failed, or a kill: the JSON still says so
         results["error"] = f"{type(e).__name__}: {e}"
     finally:
         results["meta"]["wall_s"] = round(budget.clock() - budget.start, 1)

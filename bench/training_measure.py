@@ -175,11 +175,11 @@ class MeasureRun:
             torch.cuda.empty_cache()
 
 
-def run_measure(size: Size, device: str, batch: int, seq: int, modes: list[Mode], budget: Budget, log=print, reps=None) -> dict:
+def run_measure(size: Size, device: str, batch: int, seq: int, modes: list[Mode], budget: Budget, log=print, reps=None, rows=None) -> dict:
     """Rows of the modes, eager first (its gradients are the reference); each mode gets an equal
-    share of the budget left when it starts."""
+    share of the budget left when it starts. Rows are appended to `rows` as they finish."""
     run = MeasureRun(size, device, batch, seq, **({"reps": reps} if reps else {}))
-    rows = []
+    rows = [] if rows is None else rows
     for i, mode in enumerate(modes):
         row = {"mode": mode.name, "status": "ok", "reason": None}
         for key in ("first_call_ms", "backward_ms", "host_ms", "step_ms", "peak_mem_bytes", "grad_rel_err", "grad_max_abs", "grad_ok"):

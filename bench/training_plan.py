@@ -109,13 +109,17 @@ class PlanRun:
         row.update(grad_max_abs=err, grad_ok=ok and not missing, grad_missing=missing)
 
 
-def run_plan(size: Size, batch: int, seq: int, steps: list[str] | None, budget: Budget, log=print) -> dict:
-    """Rows of the CPU steps; the model is built once, before the first step."""
+def run_plan(size: Size, batch: int, seq: int, steps: list[str] | None, budget: Budget, log=print, asked=False, rows=None) -> dict:
+    """Rows of the CPU steps; the model is built once, before the first step. Steps the size
+    leaves out by default are skipped rows unless `asked` (named in --modes). Rows are appended
+    to `rows` as they finish, so that an interrupted run keeps them."""
     steps = [s for s in STEPS if steps is None or s in steps]
+    left_out = {} if asked else {s: why for s, why in size.cpu_left_out.items() if s in steps}
+    steps = [s for s in steps if s not in left_out]
     gpuautograd.reset()
     run = PlanRun(size, batch, seq)
     log(f"  built {size.name} at batch {batch} x seq {seq} in {run.build_s:.1f} s")
-    rows = []
+    rows = [] if rows is None else rows
     for i, name in enumerate(steps):
         left = sum(WEIGHTS[s] for s in steps[i:])
         row = {"mode": name, "backend": None if name == "eager" else BACKEND}
@@ -124,6 +128,7 @@ def run_plan(size: Size, batch: int, seq: int, steps: list[str] | None, budget: 
         row["peak_rss_bytes"] = peak_rss_bytes()
         log(f"  {name}: {row['status']} in {row.get('elapsed_s', 0):.1f} s")
         rows.append(row)
+    rows += [{"mode": s, "backend": BACKEND, "status": "skipped", "reason": why} for s, why in left_out.items()]
     return {"rows": rows, "build_s": round(run.build_s, 2)}
 
 

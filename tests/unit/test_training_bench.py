@@ -4,6 +4,8 @@ its share is interrupted and recorded, one with no time left is skipped, and the
 Nothing here asserts a duration."""
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -94,8 +96,11 @@ class Jump(Mode):
     def __init__(self, name, clock, at, hang=False):
         self.name, self.clock, self.at, self.hang = name, clock, at, hang
 
+    def unavailable_reason(self, device):
+        self.clock.now = self.at  # first thing in a mode's share: the jump does not wait on the machine's speed
+        return None
+
     def backward(self, loss):
-        self.clock.now = self.at
         while self.hang:  # a mode that never ends: only its share's alarm stops it
             pass
         loss.backward()
@@ -105,7 +110,7 @@ def test_budget_times_out_a_slow_mode_and_skips_one_without_time(tmp_path, monke
     monkeypatch.setattr(budget_mod, "MIN_START_S", 0.01)
     monkeypatch.setattr(budget_mod, "RESERVE_S", 0.0)
     clock = FakeClock()
-    modes = [Eager(), Jump("spend", clock, 99.8), Jump("hang", clock, 100.0, hang=True), Jump("late", clock, 100.0)]
+    modes = [Eager(), Jump("spend", clock, 99.0), Jump("hang", clock, 100.0, hang=True), Jump("late", clock, 100.0)]
     monkeypatch.setattr(training, "training_modes", lambda: modes)
     results = run_size(tiny("gpt2-small"), "cpu", tmp_path, seq=8, budget=Budget(100.0, clock), kind="measure", log=lambda *a: None)
     data = json.loads((tmp_path / "training_gpt2-small.json").read_text())
@@ -122,3 +127,18 @@ def test_budget_times_out_a_slow_mode_and_skips_one_without_time(tmp_path, monke
 def test_a_failing_step_is_an_error_row():
     row = Budget(None).run("boom", lambda r: 1 / 0, None, {"mode": "boom"})
     assert row["status"] == "error" and "ZeroDivisionError" in row["reason"]
+
+
+class Kill(Mode):
+    name = "kill"
+
+    def backward(self, loss):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_still_writes_the_rows_so_far(tmp_path, monkeypatch):
+    monkeypatch.setattr(training, "training_modes", lambda: [Eager(), Kill()])
+    run_size(tiny("gpt2-small"), "cpu", tmp_path, seq=8, kind="measure", log=lambda *a: None)
+    data = json.loads((tmp_path / "training_gpt2-small.json").read_text())
+    assert "SIGTERM" in data["error"]
+    assert [r["mode"] for r in data["rows"]] == ["eager"] and data["rows"][0]["status"] == "ok"

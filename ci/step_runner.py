@@ -342,9 +342,10 @@ class Runner:
             if reason := self.skip_reason(s):
                 s.status, s.reason = "skipped", reason
         try:
-            self.say(f"probing torch, triton and the device (at most {PROBE_LIMIT_S} s)")
-            self.env = probe_env()
-            self.say(f"env: {json.dumps(self.env)}")
+            if self.args.probe:
+                self.say(f"probing torch, triton and the device (at most {PROBE_LIMIT_S} s)")
+                self.env = probe_env()
+                self.say(f"env: {json.dumps(self.env)}")
             if self.args.require_cuda and not self.env.get("cuda_available"):
                 self.stopped_by = "setup: torch sees no CUDA device"
                 self.finish()
@@ -379,6 +380,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the table, its totals and worst case, and exit")
     p.add_argument("--cpu", action="store_true", help="dry run without a GPU: steps needing CUDA are skipped")
     p.add_argument("--require-cuda", action="store_true", help="exit 2 before any step when torch sees no CUDA device")
+    p.add_argument("--no-probe", dest="probe", action="store_false", help="don't ask torch for versions and device (tests)")
     p.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL of a timed-out step (default 3)")
     p.add_argument("--max-files", type=int, default=8, help="files OUT may hold before logs are packed (default 8)")
     args = p.parse_args(argv)

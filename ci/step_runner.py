@@ -312,7 +312,10 @@ class Runner:
         # the open combined log is never packed; then the steps' JSON results, in step order
         keep_first = ["summary.json", "gpu_check.log"] + [f for s in self.steps for f in s.files if f.endswith(".json")]
         rank = {f: i for i, f in enumerate(keep_first)}
-        order = sorted((f for f in files if f != "extras.tar.gz"), key=lambda f: (rank.get(f, len(rank)), f.endswith(".log"), f))
+        passed_logs = {f"{s.name}.log" for s in self.steps if s.status == "passed"}  # a failed step's log says more
+        order = sorted(
+            (f for f in files if f != "extras.tar.gz"), key=lambda f: (rank.get(f, len(rank)), f.endswith(".log"), f in passed_logs, f)
+        )
         keep = order[: self.args.max_files - 1]  # one place left for extras.tar.gz itself
         to_pack = [f for f in order if f not in keep]
         self.write_extras(to_pack)

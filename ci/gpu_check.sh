@@ -39,6 +39,8 @@
 #   training_llama   40   30 s   [4 s]  so (--budget 25); the dry run failed: --size and --budget land
 #                                       from another branch (plan-only on CPU: about 75 s and 150 s)
 #   total           480  295 s  [228 s]
+# A second dry run (native cache cold again, Inductor's CPU cache warm, less load) took 70, 19, 4,
+# 31, 10, 5, 3, 3 and 3 s: 148 s.
 # Worst case: 480 s of limits + 9 x 3 s kill grace + a 30 s torch probe = 537 s, within 540 s: a
 # 10-minute job keeps a minute for the machine's start and the files' transfer.
 # The regression gate is a separate step: ci/bench_gate.sh.

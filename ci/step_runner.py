@@ -265,9 +265,12 @@ class Runner:
     def tee(self, pipe, step_log, notes: list[bytes]) -> None:
         pending = b""
         for chunk in iter(lambda: os.read(pipe.fileno(), 65536), b""):
-            for f in (step_log, self.log, sys.stdout.buffer):
-                f.write(chunk)
-                f.flush()
+            try:
+                for f in (step_log, self.log, sys.stdout.buffer):
+                    f.write(chunk)
+                    f.flush()
+            except ValueError:  # the step was given up on and its log closed; what comes now is lost
+                return
             pending += chunk
             *lines, pending = pending.split(b"\n")
             notes.extend(line[len(NOTE_PREFIX) :].strip() for line in lines if line.startswith(NOTE_PREFIX))
@@ -361,6 +364,11 @@ class Runner:
             self.finish()
         except Stopped as e:
             self.stopped_by = f"signal {e}"
+            if self.proc is not None:  # the signal came between the step's start and its wait
+                self.kill_group(min(self.args.grace, 2))
+                for s in self.steps:
+                    if s.status == "running":
+                        s.status, s.reason = "interrupted", f"the runner got {e} as this step started or ended"
             self.say(f"stopped by {e}")
             self.finish()
             return 128 + e.signum

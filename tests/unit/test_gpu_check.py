@@ -178,3 +178,14 @@ def test_gpu_check_rejects_an_unknown_option(tmp_path):
     r = gpu_check("--fast", tmp_path=tmp_path)
     assert r.returncode == 2 and "unknown option --fast" in r.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_gpu_check_cpu_dry_run_of_the_gpu_tier_collects_and_skips(tmp_path):
+    out = tmp_path / "out"
+    r = gpu_check("--cpu", "--only", "gpu_tier", str(out), tmp_path=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:]
+    s = summary(out)
+    assert s["mode"] == "cpu dry run" and s["env"]["torch"] == torch.__version__
+    st = {x["name"]: x for x in s["steps"]}
+    assert st["gpu_tier"]["status"] == "passed" and "gpu_tests.xml" in st["gpu_tier"]["files"]
+    assert all(x["status"] == "skipped" for name, x in st.items() if name != "gpu_tier")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,10 +21,10 @@ import torch
 
 from .. import flags, native
 from ..degrade import report
-from . import resident
-from . import stats as stats_module
 from ..ir.program import Program
 from ..ir.types import TensorType
+from . import resident
+from . import stats as stats_module
 
 
 @dataclass
@@ -138,6 +139,7 @@ class PlanCache:
         else:
             bound, counted = setting, lambda e: True
         held = [(k, e) for k, e in self.entries.items() if counted(e) and resident.total(e.compiled)]
+        evicted = False
         excess = sum(resident.total(e.compiled) for _, e in held) - bound
         for k, e in held:  # oldest first
             if excess <= 0:
@@ -148,6 +150,11 @@ class PlanCache:
             del self.entries[k]
             self._forget(k, e)
             stats_module.STATS.cache_byte_evictions += 1
+            evicted = True
+        if evicted:
+            # Triton's kernel objects of a plan sit in reference cycles that hold launch arguments:
+            # without a gc pass now, the memory this eviction is for would stay allocated
+            gc.collect()
         if excess > 0 and not keep.oversize:
             keep.oversize = True
             stats_module.STATS.cache_oversize += 1

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -114,10 +115,14 @@ class BoundProgram(FusedProgram):
 
     def __init__(self, bound: BoundPlan) -> None:
         w, schedule = bound.writer, bound.schedule
-        # FusedProgram's function slot: this object's own __call__ (explain() reads the rest)
-        super().__init__(self.__call__, bound.source, w.plan, bound.kernels, w.memory, bound.launches, bound.library_bytes)
+        # FusedProgram's function slot stays empty: this class's own __call__ runs the plan (a bound
+        # method there would make a reference cycle, and an evicted plan must free its memory at once)
+        super().__init__(None, bound.source, w.plan, bound.kernels, w.memory, bound.launches, bound.library_bytes)
         self.writer = w
         self.env = w.env
+        # the generated functions live in env and env is their globals: a cycle that only a gc pass
+        # would free. Clearing env when the plan goes frees its buffers as soon as the cache drops it.
+        weakref.finalize(self, w.env.clear)
         self.kernel_sources = w.kernel_sources  # what compile_check compiles for this backend
         self.schedule = schedule
         self.segments = [s for s in schedule if isinstance(s, Segment)]

@@ -419,7 +419,10 @@ def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = No
 def _cached_plan(tensors, grads, inputs, accumulate: bool, backend: str):
     """The compiled plan the cache holds for this backward (looked up as a backward would, with
     the current walker, without touching the LRU order), or None."""
-    _w, key, *_ = engine.prepare(list(_as_tuple(tensors)), grads, list(_as_tuple(inputs)), accumulate, backend, native_walk.current())
+    try:
+        _w, key, *_ = engine.prepare(list(_as_tuple(tensors)), grads, list(_as_tuple(inputs)), accumulate, backend, native_walk.current())
+    except Fallback:  # no cached plan: a backward would not have run one either
+        return None
     entry = engine.CACHE.entries.get(key)
     return None if entry is None else entry.compiled
 

@@ -146,8 +146,9 @@ class PlanCache:
                 break
             if e is keep:
                 continue
+            if self.entries.pop(k, None) is None:  # another thread's put evicted it just now
+                continue
             excess -= resident.total(e.compiled)
-            del self.entries[k]
             self._forget(k, e)
             stats_module.STATS.cache_byte_evictions += 1
             evicted = True

@@ -56,6 +56,8 @@ def measure(name: str, dtype: torch.dtype) -> dict:
         "eager_bytes": counter.launching_bytes,
         "planned_bytes": e.bytes_moved,
         "memory": e.memory,
+        "arena_bytes": e.arena_bytes,
+        "intermediate_bytes": e.intermediate_bytes,
     }
 
 

@@ -1,56 +1,85 @@
 #!/usr/bin/env bash
-# The GPU checks, as the self-hosted GPU runner runs them: the GPU test tier (a JUnit report in
-# OUT_DIR/gpu_tests.xml), the quick benchmark on CUDA (eager, compiled autograd, triton and
-# cudagraph on the model suite: OUT_DIR/results.json and OUT_DIR/speedup.png), the host time per
-# node on the replay path (OUT_DIR/host_overhead.json) and the extern-input binding comparison
-# (OUT_DIR/extern_binding.json).
-#   bash ci/gpu_check.sh [OUT_DIR]        (default: bench/out)
-# Aims at under 8 minutes on one GPU. Every step runs even if an earlier one fails; the exit
-# status is non-zero if any failed. The regression gate is a separate step: ci/bench_gate.sh.
+# The GPU checks, sized for one short job on a lent GPU machine (10 minutes at most, the native
+# walker, every Triton kernel and compiled autograd's baseline all built cold) and run the same by
+# the self-hosted GPU runner:
+#   bash ci/gpu_check.sh [--cpu] [--limit-scale F] [--only a,b] [--list] [OUT_DIR]   (default: bench/out)
+# Correctness first (native walker build, parity tests, the tests/gpu tier), then the benchmarks.
+# ci/step_runner.py runs the table below: each step under its own limit (its process group killed
+# when it passes it, the next step runs), its log in OUT_DIR/<step>.log and OUT_DIR/gpu_check.log,
+# OUT_DIR/summary.json rewritten atomically before and after each step and on SIGTERM/SIGINT
+# (status, rc, seconds, limit, expected GPU time and files of each step; versions, device, commit).
+# OUT_DIR keeps at most 8 files: the step logs, then the results last in line, go into extras.tar.gz.
+# Exit status: 0 all passed, 1 a step failed or timed out, 2 usage error or no CUDA device (without
+# --cpu), 128+N stopped by signal N.
+#   --cpu            dry run without a GPU: each step runs its CPU equivalent (--device cpu; the
+#                    tests/gpu tier collects and skips; extern_binding checks in the interpreter);
+#                    steps marked `cuda` are skipped (none today). Use --limit-scale 4 on 2 cores.
+#   --limit-scale F  multiply every limit (and with it each training step's --budget)
+#   --only a,b       run these steps, skip the rest      --list  print the table and worst case
+#
+# Expected time on one H200 (torch 2.11, triton 3.6, a 16-core host; nothing measured there yet),
+# estimated from what each step does there and from the --cpu dry run on 2 shared cores (in
+# brackets: cold native cache, a loaded machine, the dry run's CPU equivalent of the step):
+#   step           limit expected  [dry run]
+#   native_build    120   60 s  [94 s]  one ~1600-line C++ file against torch's headers: a single
+#                                       compiler job, so 16 cores don't help. The limit is generous
+#                                       because parity would otherwise build it again.
+#   parity           35   15 s  [25 s]  CPU-bound walker tests; importing torch is a good part
+#   gpu_tier         70   45 s   [5 s]  22 tests, each compiling its Triton kernels cold (about 1 s a
+#                                       kernel); the dry run only collects and skips them
+#   bench_quick     110   80 s  [64 s]  compiled autograd's cold Dynamo+Inductor compile dominates,
+#                                       then gpuautograd's kernels for each model, compiled cold
+#   host_overhead    25   15 s  [21 s]  40 replays a model; kernels found in Triton's disk cache
+#   extern_binding   25   15 s   [7 s]  --quick: d=768, B*T=2048, 3 products x 2 dtypes, 10 replays
+#                                       (the full grid of 24 cases doesn't fit); the dry run checks
+#                                       in the interpreter instead
+#   memory           20   10 s   [4 s]  eager and gpuautograd backward once a model (the dry run
+#                                       failed: its --out lands from another branch)
+#   training_gpt2    35   25 s   [4 s]  --budget 20: the bench skips the modes that don't fit and says
+#   training_llama   40   30 s   [4 s]  so (--budget 25); the dry run failed: --size and --budget land
+#                                       from another branch (plan-only on CPU: about 75 s and 150 s)
+#   total           480  295 s  [228 s]
+# A second dry run (native cache cold again, Inductor's CPU cache warm, less load) took 70, 19, 4,
+# 31, 10, 5, 3, 3 and 3 s: 148 s.
+# Worst case: 480 s of limits + 9 x 3 s kill grace + a 30 s torch probe = 537 s, within 540 s: a
+# 10-minute job keeps a minute for the machine's start and the files' transfer.
+# The regression gate is a separate step: ci/bench_gate.sh.
 set -euo pipefail
-out=${1:-bench/out}
+usage="usage: bash ci/gpu_check.sh [--cpu] [--limit-scale F] [--only a,b] [--list] [OUT_DIR]"
+out=bench/out device=cuda runner_args=()
+while [ $# -gt 0 ]; do
+    case $1 in
+        --cpu) device=cpu runner_args+=(--cpu) ;;
+        --list) runner_args+=(--list) ;;
+        --limit-scale | --only)
+            [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
+            runner_args+=("$1" "$2")
+            shift
+            ;;
+        -h | --help) echo "$usage"; exit 0 ;;
+        -*) echo "ci/gpu_check.sh: unknown option $1" >&2; echo "$usage" >&2; exit 2 ;;
+        *) out=$1 ;;
+    esac
+    shift
+done
 case $out in /*) ;; *) out="$PWD/$out" ;; esac
 cd "$(dirname "$0")/.."
-export TRITON_DEFAULT_FP_FUSION=0
+[ "$device" = cuda ] && runner_args+=(--require-cuda)
+export TRITON_DEFAULT_FP_FUSION=0  # kernels and the reference agree bit for bit only without FMA contraction
+export GPU_CHECK_DEVICE=$device
 
-python - <<'PY'
-import sys
-
-import torch
-
-if not torch.cuda.is_available():
-    sys.exit("ci/gpu_check.sh: torch sees no CUDA device")
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
-PY
-
-status=0
-# The native walker, built against this machine's torch (about a minute, cached), then the parity
-# tests: both walkers must hit alike and hand the program the same tensors. A torch the walker
-# doesn't compile against fails this step; gpuautograd itself then runs the Python walk.
-echo "== native walker: build, then the parity tests"
-GPUAUTOGRAD_NATIVE=1 python -c "from gpuautograd import native; native.load()" || status=$?
-GPUAUTOGRAD_NATIVE=1 python -m pytest -q tests/unit/test_native_walker.py tests/unit/test_checkpoint_opaque.py || status=$?
-
-if [ -d tests/gpu ]; then
-    echo "== GPU tier: python -m pytest -q -m gpu tests/gpu"
-    rc=0
-    mkdir -p "$out"
-    python -m pytest -q -m gpu tests/gpu --junitxml="$out/gpu_tests.xml" || rc=$?
-    if [ "$rc" -eq 5 ]; then
-        echo "notice: tests/gpu holds no test marked gpu"
-    elif [ "$rc" -ne 0 ]; then
-        status=$rc
-    fi
-else
-    echo "== GPU tier: notice: tests/gpu does not exist, skipped"
-fi
-
-echo "== quick benchmark on CUDA -> $out"
-python -m bench --quick --device cuda --out "$out" || status=$?
-
-echo "== host time per node on the replay path -> $out/host_overhead.json"
-python -m bench.host_overhead --device cuda --iters 40 --out "$out" || status=$?
-
-echo "== extern inputs: static buffers against table-reading kernels -> $out/extern_binding.json"
-python -m bench.extern_binding --rounds 10 --out "$out" || status=$?
-exit "$status"
+# NAME LIMIT_S EXPECTED_GPU_S NEEDS COMMAND (bash; STEP_OUT, STEP_LIMIT_S and GPU_CHECK_DEVICE set)
+# native_build: a torch the walker doesn't compile against fails here; gpuautograd then walks in Python.
+# gpu_tier: pytest's exit 5 (nothing collected) passes with a note.
+# training_*: --budget is the whole command's budget, 15 s under the limit, so it ends itself cleanly.
+exec python ci/step_runner.py --out "$out" "${runner_args[@]}" - <<'TABLE'
+native_build    120  60 - GPUAUTOGRAD_NATIVE=1 python -c "from gpuautograd import native; native.load(); print('native walker built')"
+parity           35  15 - GPUAUTOGRAD_NATIVE=1 python -m pytest -q -p no:cacheprovider tests/unit/test_native_walker.py tests/unit/test_checkpoint_opaque.py
+gpu_tier         70  45 - python -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml="$STEP_OUT/gpu_tests.xml"; rc=$?; if [ $rc -eq 5 ]; then echo "step-note: no test marked gpu was collected (pytest exit 5)"; rc=0; fi; exit $rc
+bench_quick     110  80 - python -m bench --quick --device "$GPU_CHECK_DEVICE" --out "$STEP_OUT"
+host_overhead    25  15 - python -m bench.host_overhead --device "$GPU_CHECK_DEVICE" --iters 40 --out "$STEP_OUT"
+extern_binding   25  15 - python -m bench.extern_binding --quick --rounds 10 --out "$STEP_OUT"
+memory           20  10 - python -m bench.memory --device "$GPU_CHECK_DEVICE" --out "$STEP_OUT"
+training_gpt2    35  25 - python -m bench --size gpt2-small --device "$GPU_CHECK_DEVICE" --out "$STEP_OUT" --budget $((STEP_LIMIT_S - 15))
+training_llama   40  30 - python -m bench --size llama-1b --device "$GPU_CHECK_DEVICE" --out "$STEP_OUT" --budget $((STEP_LIMIT_S - 15))
+TABLE

@@ -24,6 +24,7 @@ from .capture import hooks, native_walk
 from .ir.ops import get_op
 from .ir.program import Program
 from .runtime import engine
+from .runtime import resident as _resident
 from .runtime import stats as _stats
 from .runtime.engine import Fallback, warn_fallback
 from .runtime.fused import FusedProgram
@@ -329,6 +330,16 @@ class Explanation:
     memory: str = ""  # fused backends: the arena plan against the sum of all intermediates
     bytes_moved: int = 0  # fused backends: planned bytes read and written by kernels and library calls
     decisions: list = field(default_factory=list)  # fused backends: every decision not to fuse, with why
+    # Memory (fused backends; 0 otherwise). arena_bytes and intermediate_bytes are the numbers in
+    # `memory`: the planned arena, and what the intermediates would take without reuse.
+    arena_bytes: int = 0
+    intermediate_bytes: int = 0
+    # What the plan keeps allocated between calls (runtime/resident.py), per kind and in all: the
+    # cached plan's when this backward's plan is in the cache (after its first call that includes
+    # mirrors and CUDA graph pools), else this plan's as bound, before a first call. 0 for plans
+    # that hold nothing between calls (reference, fused without replay) and for eager fallbacks.
+    resident_bytes: int = 0
+    resident: dict = field(default_factory=dict)
 
     @property
     def plan(self) -> str:
@@ -381,6 +392,8 @@ def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = No
     opaque = [spec.label for _, spec in entry.program.inputs if spec.kind == "node"]
     compiled = entry.compiled
     if isinstance(compiled, FusedProgram):
+        cached = _cached_plan(tensors, grads, inputs, accumulate, key[0])
+        held = _resident.of(cached if cached is not None else compiled)
         return Explanation(
             len(w.nodes),
             names,
@@ -394,9 +407,24 @@ def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = No
             compiled.memory.summary(),
             compiled.bytes_moved,
             compiled.plan.decisions,
+            arena_bytes=compiled.memory.arena_bytes,
+            intermediate_bytes=compiled.memory.total_bytes,
+            resident_bytes=sum(held.values()),
+            resident=dict(held),
         )
     launches = sum(1 for i in entry.program.instrs if not get_op(i.op).view)
     return Explanation(len(w.nodes), names, opaque, entry.program, compiled.source, None, key[0], launches=launches)
+
+
+def _cached_plan(tensors, grads, inputs, accumulate: bool, backend: str):
+    """The compiled plan the cache holds for this backward (looked up as a backward would, with
+    the current walker, without touching the LRU order), or None."""
+    try:
+        _w, key, *_ = engine.prepare(list(_as_tuple(tensors)), grads, list(_as_tuple(inputs)), accumulate, backend, native_walk.current())
+    except Fallback:  # no cached plan: a backward would not have run one either
+        return None
+    entry = engine.CACHE.entries.get(key)
+    return None if entry is None else entry.compiled
 
 
 @dataclass
@@ -483,6 +511,7 @@ def stats() -> dict:
     """Captures, cache hits, cache misses with the guard that failed, fallbacks with their reason."""
     out = _stats.STATS.snapshot()
     out["cached_programs"] = len(engine.CACHE.entries)
+    out["resident_bytes"] = engine.CACHE.resident_bytes()  # what the cached plans keep allocated between calls
     out["walker"] = out["walker"] or native_walk.current()  # before any backward: the one it would use
     return out
 

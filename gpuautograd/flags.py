@@ -128,3 +128,28 @@ def native() -> str:
     the Python walk, reporting why, when that fails; "0" always runs the Python walk; "1" makes a
     failed build an error."""
     return _choice("GPUAUTOGRAD_NATIVE", "auto", NATIVE_MODES)
+
+
+_BYTE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def cache_bytes() -> int | str | None:
+    """GPUAUTOGRAD_CACHE_BYTES: the most bytes the cached plans may keep resident between calls
+    (arenas, static buffers, mirrors, CUDA graph pools; see runtime/resident.py). A byte count with
+    an optional binary suffix ("512M", "4G", "1048576"), "none" for no bound, or "auto" (default):
+    a quarter of the CUDA device's total memory for plans on CUDA, no bound for CPU plans. Returns
+    the count, None, or "auto". Least recently used plans are evicted first; a single plan larger
+    than the bound is still kept (stats()["cache_oversize"])."""
+    text = _env("GPUAUTOGRAD_CACHE_BYTES", "auto").strip()
+    if text.lower() in ("auto", "none"):
+        return None if text.lower() == "none" else "auto"
+    number, suffix = text.upper().rstrip("B").rstrip("I"), ""
+    if number and number[-1] in _BYTE_SUFFIXES:
+        number, suffix = number[:-1], number[-1]
+    try:
+        value = int(number) * _BYTE_SUFFIXES[suffix]
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise FlagError(f"GPUAUTOGRAD_CACHE_BYTES={text!r} is not valid; it accepts a byte count such as 512M or 4G, 'auto' or 'none'")
+    return value

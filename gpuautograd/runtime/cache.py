@@ -3,19 +3,28 @@
 The key is everything a program depends on, as the walk built it. On a miss, the most recent key
 of the same graph structure (node types and edges) is compared with the new one, so `stats()`
 can name the guard that failed ("node 3 (MmBackward0) saved self: f32[8, 16] -> f32[4, 16]").
+
+Two bounds: GPUAUTOGRAD_CACHE_SIZE plans, and GPUAUTOGRAD_CACHE_BYTES resident bytes (what plans
+keep allocated between calls, runtime/resident.py). Both evict the least recently used plans.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import gc
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .. import native
+from .. import flags, native
+from ..degrade import report
 from ..ir.program import Program
 from ..ir.types import TensorType
+from . import resident
+from . import stats as stats_module
 
 
 @dataclass
@@ -38,6 +47,23 @@ class Entry:
     # (native_arguments, leaf_delivery, replay_native) where a plain hit may take the engine's
     # short path, else None: set when the entry is cached, so a hit reads one field, not eight
     short_path: tuple | None = None
+    oversize: bool = False  # counted in stats()["cache_oversize"] already
+
+
+CACHE_OVERSIZE_REPORT = (
+    "gpuautograd: a plan keeps more bytes resident than GPUAUTOGRAD_CACHE_BYTES allows ({setting}); "
+    "it is kept, alone, since it runs on every call (explain().resident says what it holds)"
+)
+
+
+@functools.cache
+def _auto_bound(device) -> int:
+    """GPUAUTOGRAD_CACHE_BYTES=auto on CUDA: a quarter of the device's total memory."""
+    return torch.cuda.get_device_properties(device).total_memory // 4
+
+
+def _setting_text(setting, bound: int) -> str:
+    return f"auto: {bound} bytes" if setting == "auto" else f"{bound} bytes"
 
 
 STRUCTURES_KEPT = 1024  # graph structures remembered for miss diagnosis and recapture counts
@@ -81,10 +107,59 @@ class PlanCache:
         self.entries[key] = entry
         while len(self.entries) > limit:
             old_key, old = self.entries.popitem(last=False)
-            self._forget_digest(old_key)
-            self.evicted[old_key] = old.fallback_reason
-            while len(self.evicted) > EVICTED_KEPT:
-                self.evicted.popitem(last=False)
+            self._forget(old_key, old)
+        if hasattr(entry.compiled, "on_resident"):
+            # a bound plan grows at its first call (mirrors, graphs): the bound is checked again then;
+            # weakly, so that an evicted plan is freed by reference counting, not a later gc
+            ref = weakref.ref(entry)
+            entry.compiled.on_resident = lambda: (e := ref()) is not None and self.enforce_bytes(e)
+        self.enforce_bytes(entry)
+
+    def _forget(self, key, old: Entry) -> None:
+        self._forget_digest(key)
+        self.evicted[key] = old.fallback_reason
+        while len(self.evicted) > EVICTED_KEPT:
+            self.evicted.popitem(last=False)
+
+    def resident_bytes(self) -> int:
+        """The resident bytes of every cached plan (each computed when it was bound or first run)."""
+        return sum(resident.total(e.compiled) for e in self.entries.values())
+
+    def enforce_bytes(self, keep: Entry) -> None:
+        """Evict least recently used plans until the resident total is within GPUAUTOGRAD_CACHE_BYTES.
+        `keep`, the plan just cached or just grown, stays even when it alone is over the bound."""
+        setting = flags.cache_bytes()
+        if setting is None or resident.total(keep.compiled) == 0:
+            return
+        if setting == "auto":  # a quarter of the device, for CUDA plans only
+            device = getattr(keep.compiled, "device", None)
+            if device is None or device.type != "cuda":
+                return
+            bound, counted = _auto_bound(device), lambda e: getattr(e.compiled, "device", None) == device
+        else:
+            bound, counted = setting, lambda e: True
+        held = [(k, e) for k, e in self.entries.items() if counted(e) and resident.total(e.compiled)]
+        evicted = False
+        excess = sum(resident.total(e.compiled) for _, e in held) - bound
+        for k, e in held:  # oldest first
+            if excess <= 0:
+                break
+            if e is keep:
+                continue
+            if self.entries.pop(k, None) is None:  # another thread's put evicted it just now
+                continue
+            excess -= resident.total(e.compiled)
+            self._forget(k, e)
+            stats_module.STATS.cache_byte_evictions += 1
+            evicted = True
+        if evicted:
+            # Triton's kernel objects of a plan sit in reference cycles that hold launch arguments:
+            # without a gc pass now, the memory this eviction is for would stay allocated
+            gc.collect()
+        if excess > 0 and not keep.oversize:
+            keep.oversize = True
+            stats_module.STATS.cache_oversize += 1
+            report(CACHE_OVERSIZE_REPORT.format(setting=_setting_text(setting, bound)))
 
     def take_evicted(self, key) -> tuple[bool, str | None]:
         """(was `key` evicted, the fallback reason its entry had); forgets the eviction."""

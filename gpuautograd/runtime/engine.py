@@ -410,8 +410,9 @@ RECAPTURE_LIMIT_REASON = RECAPTURE_LIMIT_PREFIX + (
     "raise GPUAUTOGRAD_RECAPTURE_LIMIT to capture more"
 )
 CACHE_THRASH_REPORT = (
-    "gpuautograd's plan cache thrashes: the backwards in use need more than GPUAUTOGRAD_CACHE_SIZE={size} plans, "
-    "so evicted ones are captured again (correct, but slow); raise GPUAUTOGRAD_CACHE_SIZE"
+    "gpuautograd's plan cache thrashes: the backwards in use need more than GPUAUTOGRAD_CACHE_SIZE={size} plans "
+    "(or more resident bytes than GPUAUTOGRAD_CACHE_BYTES), so evicted ones are captured again (correct, but slow); "
+    "raise GPUAUTOGRAD_CACHE_SIZE (or GPUAUTOGRAD_CACHE_BYTES)"
 )
 
 

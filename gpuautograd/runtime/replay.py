@@ -20,6 +20,7 @@ import collections
 import contextlib
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -28,6 +29,7 @@ from ..degrade import describe_error, report
 from ..fusion.heuristics import POINTER_ALIGNMENT
 from ..fusion.partition import FusionPlan
 from ..ir.program import Value
+from . import resident as resident_module
 from . import stats as stats_module
 from .bound import ADDRESS, UNREAD, VALUE, BoundPlan, DynRef, EagerStep, NotBindable, Segment, bind_through_table, evaluate_view
 from .fused import FusedProgram, _nbytes, _Writer
@@ -113,10 +115,14 @@ class BoundProgram(FusedProgram):
 
     def __init__(self, bound: BoundPlan) -> None:
         w, schedule = bound.writer, bound.schedule
-        # FusedProgram's function slot: this object's own __call__ (explain() reads the rest)
-        super().__init__(self.__call__, bound.source, w.plan, bound.kernels, w.memory, bound.launches, bound.library_bytes)
+        # FusedProgram's function slot stays empty: this class's own __call__ runs the plan (a bound
+        # method there would make a reference cycle, and an evicted plan must free its memory at once)
+        super().__init__(None, bound.source, w.plan, bound.kernels, w.memory, bound.launches, bound.library_bytes)
         self.writer = w
         self.env = w.env
+        # the generated functions live in env and env is their globals: a cycle that only a gc pass
+        # would free. Clearing env when the plan goes frees its buffers as soon as the cache drops it.
+        weakref.finalize(self, w.env.clear)
         self.kernel_sources = w.kernel_sources  # what compile_check compiles for this backend
         self.schedule = schedule
         self.segments = [s for s in schedule if isinstance(s, Segment)]
@@ -152,6 +158,9 @@ class BoundProgram(FusedProgram):
                 cell = self.table.device_table[r.slot : r.slot + 1].view(torch.uint8)[: r.value.dtype.itemsize]
                 self.env[f"C{r.rid}"] = cell.view(r.value.dtype)[0]
         self._allocate_statics()
+        self.graph_pool_bytes = 0  # CUDA: what the caching allocator reserved for the graphs' pool at capture
+        self.on_resident = None  # the plan cache's callback, called when the resident bytes change
+        self.resident = resident_module.count(self.held_tensors())  # kind -> bytes (runtime/resident.py)
         self.ready = False
         self.layouts: dict[str, tuple] = {}  # eager result -> (shape, stride, dtype) seen at warm-up
         self.replays = 0
@@ -188,6 +197,45 @@ class BoundProgram(FusedProgram):
                 self.env[name] = torch.empty(tuple(m.shape), dtype=m.dtype, device=self.device)
             if not name.endswith("_static"):
                 self.static_tensors[m.name] = self.env[name]
+
+    def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor this plan keeps between calls, with its kind (see runtime/resident.py):
+        the arena and static buffers, mirrors of library inputs, the pointer table and the copy
+        descriptors, warm-up copies of host tensors, and values segments hand to later steps.
+        A parameter that library calls read in place is the user's, so it is left out."""
+        pinned = {self.env[f"M{r.rid}"].untyped_storage().data_ptr() for r in self.refs if r.pinned is not None and f"M{r.rid}" in self.env}
+        held: list[tuple[str, torch.Tensor]] = []
+        if self.table is not None:
+            held.append(("table", self.table.device_table))
+        for name, value in self.env.items():
+            if isinstance(value, torch.Tensor):
+                held.append((self._kind_of(name), value))
+            elif hasattr(value, "entries") and hasattr(value, "descriptor"):  # a TableCopy
+                held.append(("table", value.descriptor))
+                held += [("mirror" if value.direction == "in" else "static", buf) for _, buf, _ in value.entries]
+            elif hasattr(value, "anchor"):  # a TableMatmul: its anchor, and the statics it reads
+                held.append(("table", value.anchor))
+                held += [("other", t) for t in value.args if isinstance(t, torch.Tensor)]
+        return [(kind, t) for kind, t in held if t.untyped_storage().data_ptr() not in pinned]
+
+    def _kind_of(self, name: str) -> str:
+        if name in self.writer.statics:
+            return "static" if self.writer.statics[name][1] is None else "arena"
+        if name[:1] in "TCV" and name[1:].isdigit():
+            return "table"
+        if name[:1] == "M" and name[1:].isdigit():
+            return "mirror"
+        if name[:1] == "H" and name[1:].isdigit():
+            return "host_copy"
+        return "other"  # a value one segment leaves for a later step
+
+    def _update_resident(self) -> None:
+        """Count the resident bytes again (after the first call, or a release) and tell the cache."""
+        held = self.held_tensors() if self.fallback is None else []
+        pool = {"graph_pool": self.graph_pool_bytes} if self.fallback is None else {}
+        self.resident = resident_module.count(held, pool)
+        if self.on_resident is not None:
+            self.on_resident()
 
     # -- one call ------------------------------------------------------------------------------------
 
@@ -473,6 +521,7 @@ class BoundProgram(FusedProgram):
             except Exception as e:  # a library call that synchronizes can't be captured
                 self._release(f"CUDA graph capture failed: {describe_error(e)}")
         self.ready = True
+        self._update_resident()
         return outs
 
     def _give_up(self, reason: str, D: dict):
@@ -490,6 +539,8 @@ class BoundProgram(FusedProgram):
         self.static_tensors.clear()
         self.table = None
         self.native_replay = None
+        self.graph_pool_bytes = 0
+        self._update_resident()
 
     def _warm_up(self, D: dict, cuda: bool):
         """The first call runs the bound segments eagerly (on a side stream on CUDA): this compiles
@@ -534,6 +585,8 @@ class BoundProgram(FusedProgram):
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()  # segments replay in capture order, so they share one pool
+        # a fresh pool takes fresh allocator segments: the reserved delta is the pool's size
+        reserved = torch.cuda.memory_reserved(self.device)
         for seg in self.segments:
             graph = torch.cuda.CUDAGraph()
             # thread_local: another thread's CUDA call (a DataLoader pinning memory) can't invalidate it
@@ -541,6 +594,7 @@ class BoundProgram(FusedProgram):
                 self.env[seg.name]()
             seg.graph = graph
             stats_module.STATS.graph_captures += 1
+        self.graph_pool_bytes = max(torch.cuda.memory_reserved(self.device) - reserved, 0)
         if flags.debug_level() >= 1:
             graphs, slots = len(self.segments), len(self.refs)
             print(f"[gpuautograd] captured {graphs} CUDA graph(s), {slots} table slots, {self.launches} launches per replay")

@@ -23,6 +23,8 @@ class Stats:
     conformed: int = 0  # eager-step results copied into the layout the captured segments read
     kernel_fallbacks: collections.Counter = field(default_factory=collections.Counter)  # kernel -> plans running it as reference ops
     cache_thrash: int = 0  # captures of a key the plan cache had evicted (the working set exceeds GPUAUTOGRAD_CACHE_SIZE)
+    cache_byte_evictions: int = 0  # plans evicted to keep the resident bytes within GPUAUTOGRAD_CACHE_BYTES
+    cache_oversize: int = 0  # plans kept although each alone holds more than GPUAUTOGRAD_CACHE_BYTES
     walker: str | None = None  # "native" or "python": the walk of the latest backward
     python_walks: collections.Counter = field(default_factory=collections.Counter)  # why the native walker passed, per graph
 
@@ -45,6 +47,8 @@ class Stats:
             "conformed": self.conformed,
             "kernel_fallbacks": dict(self.kernel_fallbacks),
             "cache_thrash": self.cache_thrash,
+            "cache_byte_evictions": self.cache_byte_evictions,
+            "cache_oversize": self.cache_oversize,
             "walker": self.walker,
             "python_walks": dict(self.python_walks),
         }

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 from .modes import first_line
 
-# Below this many seconds a step is not started: a model's first call alone takes longer.
-MIN_START_S = 5.0
+# Below this many seconds a step is not started: a training size's first call alone takes longer.
+MIN_START_S = 3.0
 # Kept back from the last step's share, for writing the results after it.
 RESERVE_S = 2.0
 

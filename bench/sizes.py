@@ -42,10 +42,18 @@ class LlamaConfig:
     rope_base: float = 10000.0
 
 
+class GPT2(TinyGPT):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(vocab=cfg.vocab, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, max_len=cfg.max_len)
+        self.tie()
+
+    def tie(self) -> None:
+        """GPT-2 ties its LM head to the token embedding (again after to_empty(), which unties)."""
+        self.head.weight = self.tok.weight
+
+
 def build_gpt(cfg: GPTConfig) -> nn.Module:
-    model = TinyGPT(vocab=cfg.vocab, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, max_len=cfg.max_len)
-    model.head.weight = model.tok.weight  # GPT-2 ties its LM head to the token embedding
-    return model
+    return GPT2(cfg)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,9 +174,14 @@ class Size:
         if seq > self.config.max_len:
             raise ValueError(f"{self.name}: seq {seq} is longer than its max_len {self.config.max_len}")
         torch.manual_seed(seed)
-        with torch.device(device):
+        with torch.device("meta"):  # no default init: _init draws every value once, on the device
             model = self.build(self.config)
+        model = model.to_empty(device=device)
+        if hasattr(model, "tie"):
+            model.tie()
         _init(model, seed)
+        if hasattr(model, "reset_rotary"):
+            model.reset_rotary()
         model = model.to(dtype)
         vocab = self.vocab
 
@@ -183,8 +196,10 @@ class Size:
 
 
 def _init(model: nn.Module, seed: int) -> None:
-    """GPT-2's init (normal 0.02, zero biases, unit norms), the same draws on every device."""
-    g = torch.Generator().manual_seed(seed)
+    """GPT-2's init (normal 0.02, zero biases, unit norms), drawn on the parameters' device (1.1B
+    draws on the CPU take tens of seconds; on a GPU, milliseconds)."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -192,7 +207,7 @@ def _init(model: nn.Module, seed: int) -> None:
             elif p.dim() == 1:  # norm weights
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+                p.normal_(0.0, 0.02, generator=g)
 
 
 # Default shapes, estimated (no GPU run yet). CUDA: bf16 autocast on an H200 (about 139 GiB), with

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import statistics
 import time
 
@@ -30,6 +31,9 @@ from .sizes import Size
 # under 2% where a wrong formula is off by tens of percent).
 GRAD_REL_TOL = 2e-2
 BACKWARD_REPS, STEP_REPS, WARMUP = 20, 10, 2
+# Eager's share of the budget against another mode's: it is the reference every mode needs, and
+# what it leaves unused goes to the others.
+EAGER_WEIGHT = 2.0
 
 
 class CompiledAutogradCudagraphs(CompiledAutograd):
@@ -110,9 +114,11 @@ class MeasureRun:
         rel, err, missing = grad_rel_errors(grads, self.reference)
         row.update(grad_rel_err=rel, grad_max_abs=err, grad_ok=rel <= GRAD_REL_TOL and not missing, grad_missing=missing)
 
-    def backward_times(self, mode: Mode, row: dict) -> None:
+    def backward_times(self, mode: Mode, row: dict, until: float) -> None:
         times = []
         for i in range(WARMUP + self.reps[0]):
+            if times and time.monotonic() > until:
+                break
             for _, p in self.params:
                 p.grad = None
             t = time_backward(mode, self.forward(), self.device)
@@ -122,13 +128,15 @@ class MeasureRun:
                 row["host_ms"] = statistics.median(x[1] for x in times) * 1e3
                 row["backward_reps"] = len(times)
 
-    def step_times(self, mode: Mode, row: dict) -> None:
+    def step_times(self, mode: Mode, row: dict, until: float) -> None:
         fused = self.device == "cuda"  # the fused AdamW kernel is CUDA's; foreach elsewhere
         opt = torch.optim.AdamW([p for _, p in self.params], lr=1e-4, fused=fused, foreach=None if fused else True)
         row["optimizer"] = "AdamW(fused=True)" if fused else "AdamW(foreach=True)"
         times = []
         try:
             for i in range(WARMUP + self.reps[1]):
+                if times and time.monotonic() > until:
+                    break
                 _sync(self.device)
                 if i == WARMUP and self.device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
@@ -146,8 +154,11 @@ class MeasureRun:
         finally:
             del opt  # its state (two fp32 copies of the parameters) goes before the next mode
 
-    def measure(self, mode: Mode, row: dict) -> None:
-        """Everything for one mode, in order of value: what runs out of time keeps what came before."""
+    def measure(self, mode: Mode, row: dict, share: float | None) -> None:
+        """Everything for one mode, in order of value: what runs out of time keeps what came before.
+        The timed loops stop early (after one timed call) so that the step's loop ends within the
+        share; what the mode leaves unused goes to the modes after it."""
+        start, share = time.monotonic(), math.inf if share is None else share
         reason = mode.unavailable_reason(self.device)
         if reason:
             row.update(status="skipped", reason=reason)
@@ -162,8 +173,9 @@ class MeasureRun:
         if mode.name != "eager" and not self.reference:
             row.update(status="error", reason="eager failed: nothing to compare with")
             return
-        self.backward_times(mode, row)
-        self.step_times(mode, row)
+        spent = time.monotonic() - start  # the first call: compile included
+        self.backward_times(mode, row, until=start + spent + 0.4 * (share - spent))
+        self.step_times(mode, row, until=start + spent + 0.8 * (share - spent))
 
     def end_mode(self, mode: Mode) -> None:
         with contextlib.suppress(Exception):
@@ -184,7 +196,9 @@ def run_measure(size: Size, device: str, batch: int, seq: int, modes: list[Mode]
         row = {"mode": mode.name, "status": "ok", "reason": None}
         for key in ("first_call_ms", "backward_ms", "host_ms", "step_ms", "peak_mem_bytes", "grad_rel_err", "grad_max_abs", "grad_ok"):
             row[key] = None
-        budget.run(mode.name, lambda r, mode=mode: run.measure(mode, r), budget.share(len(modes) - i), row)
+        weight = EAGER_WEIGHT if mode.name == "eager" else 1.0
+        share = budget.share(len(modes) - i, weight, weight + len(modes) - i - 1)
+        budget.run(mode.name, lambda r, mode=mode, share=share: run.measure(mode, r, share), share, row)
         run.end_mode(mode)
         log(f"  {mode.name}: {row['status']} in {row.get('elapsed_s', 0):.1f} s")
         rows.append(row)

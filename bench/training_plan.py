@@ -140,7 +140,8 @@ def plan_notes() -> list[str]:
         f"bare allocations excluded); plan = explain().launches of backend {BACKEND!r} (generated kernels plus library calls).",
         "bytes_moved: eager = bytes read and written by those aten ops; plan = explain().bytes_moved.",
         "arena_bytes: the plan's arena; intermediate_bytes: every intermediate's bytes summed (what no reuse would take); "
-        "resident_bytes: null until explain() reports it.",
+        "resident_bytes: explain().resident_bytes, what the cached plan keeps allocated between calls (null where "
+        "the installed gpuautograd does not report it).",
         "planning_s: explain() (walk, rules, passes, fusion, memory plan), nothing run. first_call_s of plan-run: a backward "
         "that plans again and runs every kernel in Triton's interpreter.",
         f"grad_ok: every gradient within rtol {rtol:g}, atol {atol:g} of eager's (gpuautograd.tolerances, float32).",

@@ -163,6 +163,9 @@ class MeasureRun:
         if reason:
             row.update(status="skipped", reason=reason)
             return
+        if mode.name != "eager" and not self.reference:
+            row.update(status="error", reason="eager failed: nothing to compare with")
+            return
         try:
             self.first_call(mode, row)
         except Exception as e:
@@ -170,9 +173,6 @@ class MeasureRun:
                 row.update(status="skipped", reason=f"first call: {first_line(e)}")
                 return
             raise
-        if mode.name != "eager" and not self.reference:
-            row.update(status="error", reason="eager failed: nothing to compare with")
-            return
         spent = time.monotonic() - start  # the first call: compile included
         self.backward_times(mode, row, until=start + spent + 0.4 * (share - spent))
         self.step_times(mode, row, until=start + spent + 0.8 * (share - spent))

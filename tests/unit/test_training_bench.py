@@ -142,3 +142,17 @@ def test_sigterm_still_writes_the_rows_so_far(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "training_gpt2-small.json").read_text())
     assert "SIGTERM" in data["error"]
     assert [r["mode"] for r in data["rows"]] == ["eager"] and data["rows"][0]["status"] == "ok"
+
+
+class BrokenEager(Mode):
+    name = "eager"
+
+    def backward(self, loss):
+        raise RuntimeError("no backward today")
+
+
+def test_other_modes_are_errors_when_eager_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(training, "training_modes", lambda: [BrokenEager(), Jump("other", FakeClock(), 0.0)])
+    results = run_size(tiny("gpt2-small"), "cpu", tmp_path, seq=8, kind="measure", log=lambda *a: None)
+    assert [r["status"] for r in results["rows"]] == ["error", "error"]
+    assert "nothing to compare with" in results["rows"][1]["reason"]

@@ -96,6 +96,7 @@ class PlanRun:
             return
         row.update(launches=expl.launches, kernels=len(expl.kernels), bytes_moved=expl.bytes_moved, memory=expl.memory)
         row.update(_explain_figures(expl))
+        row["resident"] = {k: int(v) for k, v in getattr(expl, "resident", {}).items()}  # by kind, where reported
 
     def plan_run(self, row: dict) -> None:
         if not self.reference:

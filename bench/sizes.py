@@ -237,7 +237,7 @@ SIZES: dict[str, Size] = {
         "Llama 1.1B: 22 layers, d_model 2048, 32 heads / 4 KV heads, SwiGLU 5632, rotary, vocab 32000",
         {
             "plan-run": "left out by default at 1.1B parameters: it took over 20 GB of RSS (fp32 weights, eager's gradients, "
-            "the plan's gradients, the bound plan's copies of matmul inputs; 4.4 GB each); --modes plan-run runs it"
+            "the plan's gradients, the bound plan's static copies of the weight gradients; 4.4 GB each); --modes plan-run runs it"
         },
     ),
 }

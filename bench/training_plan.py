@@ -12,7 +12,6 @@ Three steps, each under the command's budget (bench/budget.py):
 
 from __future__ import annotations
 
-import re
 import resource
 import time
 
@@ -31,22 +30,15 @@ STEPS = ("eager", "plan", "plan-run")
 # Shares of the budget, by weight: the run of the plan takes most.
 WEIGHTS = {"eager": 1.0, "plan": 1.0, "plan-run": 3.0}
 
-_MEMORY = re.compile(r"arena (\d+) bytes for (\d+) intermediates of (\d+) bytes in all")
-
 
 def _explain_figures(expl) -> dict:
-    """Arena, intermediate and resident bytes of a plan."""
-    # until Explanation has the int fields: parse its memory string, resident unknown
-    if hasattr(expl, "arena_bytes"):
-        return {
-            "arena_bytes": int(expl.arena_bytes),
-            "intermediate_bytes": int(expl.intermediate_bytes),
-            "resident_bytes": None if getattr(expl, "resident_bytes", None) is None else int(expl.resident_bytes),
-        }
-    match = _MEMORY.search(expl.memory or "")
-    if match is None:
-        return {"arena_bytes": None, "intermediate_bytes": None, "resident_bytes": None}
-    return {"arena_bytes": int(match.group(1)), "intermediate_bytes": int(match.group(3)), "resident_bytes": None}
+    """Arena, intermediate and resident bytes of a plan, and the resident bytes by kind."""
+    return {
+        "arena_bytes": expl.arena_bytes,
+        "intermediate_bytes": expl.intermediate_bytes,
+        "resident_bytes": expl.resident_bytes,
+        "resident": dict(expl.resident),
+    }
 
 
 def peak_rss_bytes() -> int:
@@ -96,7 +88,6 @@ class PlanRun:
             return
         row.update(launches=expl.launches, kernels=len(expl.kernels), bytes_moved=expl.bytes_moved, memory=expl.memory)
         row.update(_explain_figures(expl))
-        row["resident"] = {k: int(v) for k, v in getattr(expl, "resident", {}).items()}  # by kind, where reported
 
     def plan_run(self, row: dict) -> None:
         if not self.reference:

@@ -165,7 +165,7 @@ def test_cache_bytes_flag_rejects_garbage(monkeypatch):
         flags.cache_bytes()
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "llama"])
+@pytest.mark.parametrize("name", list(SUITE))
 def test_peak_within_eager_plus_resident(name):
     eager, replay = measure_model(name, "cpu", ["eager", BACKEND])
     assert replay["backend"] == BACKEND and replay["fallbacks"] == 0 and replay["resident_bytes"] > 0

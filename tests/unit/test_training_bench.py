@@ -10,6 +10,7 @@ import signal
 import pytest
 import torch
 
+import gpuautograd
 from bench import budget as budget_mod
 from bench import training
 from bench.__main__ import main
@@ -64,15 +65,17 @@ def test_cli_writes_json(tmp_path, monkeypatch, capsys):
     assert "plan" in capsys.readouterr().out
 
 
-def test_explain_figures_parse_the_memory_string_until_the_fields_land():
-    class Old:
-        memory = "arena 4096 bytes for 3 intermediates of 8192 bytes in all (50% saved by reuse)"
+def test_explain_figures_are_the_plans_own_counts():
+    from bench.models import SUITE
 
-    class New(Old):
-        arena_bytes, intermediate_bytes, resident_bytes = 1, 2, 3
-
-    assert _explain_figures(Old()) == {"arena_bytes": 4096, "intermediate_bytes": 8192, "resident_bytes": None}
-    assert _explain_figures(New()) == {"arena_bytes": 1, "intermediate_bytes": 2, "resident_bytes": 3}
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = SUITE["mlp"]()
+    expl = gpuautograd.explain(loss_fn(model, *make_batch(torch.Generator().manual_seed(0))), backend="interpret-replay")
+    figures = _explain_figures(expl)
+    assert figures["arena_bytes"] == expl.arena_bytes and figures["intermediate_bytes"] == expl.intermediate_bytes
+    assert 0 < figures["arena_bytes"] <= figures["intermediate_bytes"]
+    assert figures["resident_bytes"] == sum(figures["resident"].values()) >= figures["arena_bytes"]
+    assert str(figures["arena_bytes"]) in expl.memory
 
 
 def test_time_limit_interrupts_a_loop():

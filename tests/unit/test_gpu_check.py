@@ -151,7 +151,9 @@ def test_list_prints_the_table_and_its_totals(tmp_path):
 
 
 def gpu_check(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(GPU_CHECK), *args], capture_output=True, text=True, cwd=tmp_path)
+    # the script's steps run `python`: the interpreter running these tests (a matrix venv's, say)
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    return subprocess.run(["bash", str(GPU_CHECK), *args], capture_output=True, text=True, cwd=tmp_path, env=env)
 
 
 def test_gpu_check_table_fits_a_ten_minute_job(tmp_path):

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .ops import COMPOSITE, get_op, register_op
+from .registry import COMPOSITE, get_op, register_op
 from .types import TensorType
 
 aten = torch.ops.aten

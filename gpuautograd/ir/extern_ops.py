@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .conv_backward_cpu import im2col_backward, takes_im2col
-from .ops import EXTERN, register_op
+from .registry import EXTERN, register_op
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .extern_ops import _fill_absent
-from .ops import EXTERN, register_op
+from .registry import EXTERN, register_op
 from .types import TensorType
 
 aten = torch.ops.aten

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import EXTERN, register_op
+from .registry import EXTERN, register_op
 
 
 def _row_major(x: torch.Tensor) -> torch.Tensor:

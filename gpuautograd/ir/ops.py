@@ -8,88 +8,27 @@ is exact by construction.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
+from .registry import (  # noqa: F401  (the kinds, the table and its lookup, re-exported: callers read them from here)
+    COMPOSITE,
+    CREATION,
+    EXTERN,
+    INDEX,
+    LAYOUT,
+    OPAQUE,
+    OPS,
+    POINTWISE,
+    REDUCTION,
+    SCAN,
+    OpDef,
+    first_device,
+    get_op,
+    register_op,
+)
 from .types import TensorType
-
-# kinds, which later passes and fusion key on
-POINTWISE = "pointwise"
-REDUCTION = "reduction"
-LAYOUT = "layout"  # reshape, permute, expand, slices: pure indexing, no arithmetic
-INDEX = "index"  # gather / scatter / index_put: data-dependent indexing
-CREATION = "creation"
-SCAN = "scan"  # cumulative ops along one dim: the output has the input's shape
-EXTERN = "extern"  # one library call (matmul, convolution backward, attention backward, ...)
-OPAQUE = "opaque"  # a call of a live autograd node
-COMPOSITE = "composite"  # one aten backward kernel for the reference executor; `decompose` for fusion
-
-
-@dataclass(frozen=True)
-class OpDef:
-    name: str
-    kind: str
-    impl: Callable[..., Any]
-    infer: Callable[[list, dict], list]
-    view: bool = False  # the output may alias the first input
-    effect: bool = False  # must run even if its outputs are unused
-    decompose: Callable[..., Any] | None = None  # composites: (builder, *inputs, **attrs) -> outputs in primitive ops
-
-    def __call__(self, *args, **kwargs):
-        return self.impl(*args, **kwargs)
-
-
-OPS: dict[str, OpDef] = {}
-
-
-def register_op(name: str, kind: str, infer=None, *, view: bool = False, effect: bool = False, decompose=None):
-    """Decorator: register `impl` as the reference implementation of op `name`."""
-
-    def deco(impl):
-        if name in OPS:
-            raise ValueError(f"IR op {name!r} is registered twice")
-        OPS[name] = OpDef(name, kind, impl, infer or _infer_by_meta(impl), view, effect, decompose)
-        return impl
-
-    return deco
-
-
-def get_op(name: str) -> OpDef:
-    try:
-        return OPS[name]
-    except KeyError:
-        raise KeyError(f"unknown IR op {name!r}; known ops: {sorted(OPS)}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Inference helpers
-
-
-def _meta(t: TensorType) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-
-def _first_device(in_types) -> torch.device:
-    for t in in_types:
-        if isinstance(t, TensorType):
-            return t.device
-    return torch.device("cpu")
-
-
-def _infer_by_meta(impl):
-    """Infer output types by running the reference implementation on meta tensors."""
-
-    def infer(in_types, attrs):
-        args = [_meta(t) if isinstance(t, TensorType) else t for t in in_types]
-        out = impl(*args, **attrs)
-        device = attrs.get("device") or _first_device(in_types)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        return [None if o is None else TensorType(tuple(o.shape), o.dtype, torch.device(device)) for o in outs]
-
-    return infer
 
 
 def _promote(in_types) -> torch.dtype:
@@ -123,7 +62,7 @@ def _pointwise_infer(result_dtype=None):
             dtype = torch.bool
         elif result_dtype == "float" and not dtype.is_floating_point:
             dtype = torch.get_default_dtype()
-        return [TensorType(shape, dtype, _first_device(in_types))]
+        return [TensorType(shape, dtype, first_device(in_types))]
 
     return infer
 
@@ -193,7 +132,7 @@ def _where_infer(in_types, attrs):
     cond, a, b = in_types
     shapes = [t.shape for t in in_types if isinstance(t, TensorType)]
     dtype = _promote([a, b]) if isinstance(a, TensorType) or isinstance(b, TensorType) else torch.get_default_dtype()
-    return [TensorType(broadcast_shapes(*shapes), dtype, _first_device(in_types))]
+    return [TensorType(broadcast_shapes(*shapes), dtype, first_device(in_types))]
 
 
 @register_op("where", POINTWISE, _where_infer)
@@ -435,9 +374,3 @@ def _expandable_to(shape, to) -> bool:
         return tuple(torch.broadcast_shapes(shape, to)) == tuple(to)
     except RuntimeError:
         return False
-
-
-# Library-call ops of the nn family (extern_ops), of the sequence layers (extern_sequence_ops) and
-# of the linalg rules (linalg_ops), and the composite backward kernels (composite_ops), live in
-# their own modules but in this one table.
-from . import composite_ops, extern_ops, extern_sequence_ops, linalg_ops  # noqa: E402,F401

@@ -7,12 +7,14 @@ def backward(%g0: f32[], %s0: f32[4, 5] = MulBackward0.other):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .program import Instr, Program, Value
 from .types import dtype_name
+
+if TYPE_CHECKING:  # program.py prints through this module: at run time imports point one way
+    from .program import Instr, Program
 
 
 def format_attr(v: Any) -> str:
@@ -28,9 +30,9 @@ def format_attr(v: Any) -> str:
 
 
 def format_operand(x) -> str:
-    if isinstance(x, Value):
-        return x.name
-    return repr(x)
+    if isinstance(x, bool | int | float):  # an operand is a Value or a Python scalar literal
+        return repr(x)
+    return x.name
 
 
 def format_instr(instr: Instr) -> str:

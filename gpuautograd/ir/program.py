@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .printer import format_program
 from .types import NodeType, TensorType
 
 Scalar = bool | int | float
@@ -99,8 +100,6 @@ class Program:
     declined: list[str] = field(default_factory=list)  # "Node: reason" for rules that declined
 
     def __str__(self) -> str:
-        from .printer import format_program
-
         return format_program(self)
 
     def num_ops(self) -> int:

@@ -217,9 +217,11 @@ def _upsample_backward(grad, *, kernel, output_size, input_size, align_corners, 
 # into positions only the library kernel computes, so one call beats any fusion.
 
 
-@register_op("grid_sampler_2d_backward", EXTERN)
-def _grid_sampler_2d_backward(grad, input, grid, *, interpolation_mode, padding_mode, align_corners, output_mask):
-    return aten.grid_sampler_2d_backward(grad, input, grid, interpolation_mode, padding_mode, align_corners, list(output_mask))
+@register_op("grid_sampler_backward", EXTERN)
+def _grid_sampler_backward(grad, input, grid, *, spatial, interpolation_mode, padding_mode, align_corners, output_mask):
+    """`spatial` (2 or 3) picks aten's grid_sampler_2d_backward or grid_sampler_3d_backward."""
+    kernel = {2: aten.grid_sampler_2d_backward, 3: aten.grid_sampler_3d_backward}[spatial]
+    return kernel(grad, input, grid, interpolation_mode, padding_mode, align_corners, list(output_mask))
 
 
 @register_op("segment_reduce_backward", EXTERN)

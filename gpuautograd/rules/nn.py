@@ -301,15 +301,16 @@ def sdpa_cudnn_backward(b, node, grads):
 # Grid sampling and segment reductions: one library call each.
 
 
-@register("GridSampler2DBackward0")
-def grid_sampler_2d_backward(b, node, grads):
-    # input, grid: grid_sampler_2d_backward(grad, input, grid, interpolation_mode, padding_mode, align_corners, grad_input_mask)
+@register("GridSampler2DBackward0", "GridSampler3DBackward0")
+def grid_sampler_backward(b, node, grads):
+    # input, grid: grid_sampler_{2,3}d_backward(grad, input, grid, interpolation_mode, padding_mode, align_corners, grad_input_mask)
     (grad,) = grads
     outs = b.emit(
-        "grid_sampler_2d_backward",
+        "grid_sampler_backward",
         grad,
         node.saved("input"),
         node.saved("grid"),
+        spatial=3 if node.name == "GridSampler3DBackward0" else 2,
         interpolation_mode=node.saved("interpolation_mode"),
         padding_mode=node.saved("padding_mode"),
         align_corners=node.saved("align_corners"),

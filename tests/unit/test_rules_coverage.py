@@ -391,7 +391,29 @@ def _grid_sample_cases():
             NO_HALF,
         )
     )
+    for mode in ("bilinear", "nearest"):  # the 3-d sampler has no bicubic mode
+        for padding in ("zeros", "border", "reflection"):
+            fn = lambda x, g, m=mode, p=padding: F.grid_sample(x, g, mode=m, padding_mode=p, align_corners=p == "border")
+            cases.append(
+                Case(
+                    f"grid_sample_3d_{mode}_{padding}",
+                    "GridSampler3DBackward0",
+                    fn,
+                    make(leaf(2, 2, 3, 5, 4, nc=True), grid3d(2, 3, 2, 5)),
+                    NO_HALF,
+                )
+            )
     return cases
+
+
+def grid3d(n, d, h, w):
+    """A 3-d sampling grid in (-1.2, 1.2), a non-contiguous view."""
+
+    def maker(dtype):
+        g = (rand(n, d, w, h, 3, dtype=torch.float64, requires_grad=False).tanh() * 1.2).transpose(2, 3)
+        return g.to(dtype).requires_grad_()
+
+    return maker
 
 
 def segment_data(*shape, nc=False):

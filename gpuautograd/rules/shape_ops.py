@@ -550,9 +550,41 @@ def narrow_copy_backward(b, node, grads):
     return [b.slice_scatter(_zeros(b, sizes, grad), grad, dim, start, start + node.saved("length"))]
 
 
-@register("AsStridedBackward0")
+@register("AsStridedBackward0", "AsStridedBackward0_copy")
 def as_strided_backward(b, node, grads):
     # self: as_strided_backward(grad, TensorGeometry(self), size, stride, storage_offset)
+    # Which input element each output element aliases follows from the input's strides and storage
+    # offset, which autograd keeps in C++ only (a Python walk can't see them): no layout is provable.
     raise NotImplementedError(
         f"{node.name}: the gradient depends on the strides and storage offset of the input, which autograd keeps in C++ only"
     )
+
+
+def _strided_positions(b, size, stride, offset: int, device):
+    """The flat positions `offset + sum(i_k * stride_k)` that as_strided(size, stride, offset) reads
+    from a contiguous tensor, as an int64 tensor of shape `size`."""
+    pos = b.full((), offset, torch.int64, device)
+    for k, (n, st) in enumerate(zip(size, stride)):
+        axis = b.reshape(b.mul(_arange(b, n, device), st), (n,) + (1,) * (len(size) - k - 1))
+        pos = b.add(pos, axis)
+    return b.expand(pos, tuple(size))
+
+
+@register("AsStridedScatterBackward0")
+def as_strided_scatter_backward(b, node, grads):
+    # src: grad.contiguous().as_strided(size, stride, storage_offset)
+    # self: as_strided_scatter_backward(grad, TensorGeometry(self), TensorGeometry(src), ...); torch
+    # 2.11 and 2.13 return grad kept at the overwritten positions and zero elsewhere, the opposite of
+    # the math (gradcheck fails on it). Neither copy of that is right here, so self declines and
+    # runs as the live node, giving what eager gives.
+    if node.needs(0):
+        raise NotImplementedError(
+            f"{node.name}: torch's self gradient masks the opposite positions from the math (it fails gradcheck); "
+            "the live node keeps eager's result"
+        )
+    grad = grads[0]
+    size, stride = tuple(node.saved("size")), tuple(node.saved("stride"))
+    if _numel(size) == 0:
+        return [None, _zeros(b, size, grad)]
+    offset = node.saved("storage_offset") or 0  # None: the contiguous grad's own offset, 0
+    return [None, b.index(b.reshape(grad, (-1,)), [_strided_positions(b, size, stride, offset, grad.device)])]

@@ -210,6 +210,31 @@ CASES = [
     ),
     Case("copy_src_only", "torch::autograd::CopyBackwards", lambda s: torch.zeros(7, 13, dtype=s.dtype).copy_(s) * 3, one(7, 13)),
     *NARROW_COPY,
+    # as_strided_scatter: the src gradient (self's declines, see test_as_strided_declines_and_runs_opaque)
+    Case(
+        "as_strided_scatter",
+        "AsStridedScatterBackward0",
+        lambda x, s: torch.as_strided_scatter(x, s, (4, 5), (1, 7), 2),
+        make(const(7, 13), leaf(4, 5, nc=True)),
+    ),
+    Case(
+        "as_strided_scatter_3d",
+        "AsStridedScatterBackward0",
+        lambda x, s: torch.as_strided_scatter(x, s, (3, 2, 2), (35, 3, 1), 1),
+        make(const(3, 5, 7), leaf(3, 2, 2)),
+    ),
+    Case(
+        "as_strided_scatter_nc_self",
+        "AsStridedScatterBackward0",
+        lambda x, s: torch.as_strided_scatter(x.t(), s, (6, 2), (2, 13), 4),
+        make(const(13, 7), leaf(6, 2, nc=True)),
+    ),
+    Case(
+        "as_strided_scatter_empty",
+        "AsStridedScatterBackward0",
+        lambda x, s: torch.as_strided_scatter(x, s, (0, 3), (1, 1)) * 2,
+        make(const(7, 13), leaf(0, 3)),
+    ),
 ]
 
 
@@ -280,12 +305,24 @@ def test_upsample_is_one_kernel_call():
 # -- as_strided: declined, runs as the live node ----------------------------------------------
 
 
-def test_as_strided_declines_and_runs_opaque():
-    x = rand(7, 13)
-    fn = lambda x: x.t().as_strided((4, 5), (1, 7), 2)  # strides of the transposed view matter
-    report = gpuautograd.explain([fn(x)], [torch.ones(4, 5, dtype=torch.float64)])
-    assert report.opaque_nodes == ["AsStridedBackward0"] and "strides and storage offset" in str(report)
-    check_grads(fn, x, allow_opaque=True)
+AS_STRIDED = [
+    (
+        "AsStridedBackward0",
+        "strides and storage offset",
+        lambda x, s: x.t().as_strided((4, 5), (1, 7), 2),
+    ),  # the transposed view's strides matter
+    ("AsStridedBackward0_copy", "strides and storage offset", lambda x, s: torch.as_strided_copy(x.t(), (4, 5), (1, 7), 2)),
+    ("AsStridedScatterBackward0", "fails gradcheck", lambda x, s: torch.as_strided_scatter(x, s, (4, 5), (1, 7), 2)),  # self needs grad
+]
+
+
+@pytest.mark.parametrize("node, reason, fn", AS_STRIDED, ids=[n for n, _, _ in AS_STRIDED])
+def test_as_strided_declines_and_runs_opaque(node, reason, fn):
+    x, s = rand(7, 13), rand(4, 5)
+    out = fn(x, s)
+    report = gpuautograd.explain([out], [torch.ones_like(out)])
+    assert report.opaque_nodes == [node] and reason in str(report)
+    check_grads(fn, x, s, allow_opaque=True)
 
 
 # -- the gradients are exactly where the forward read -----------------------------------------

@@ -210,3 +210,22 @@ def _upsample_backward(grad, *, kernel, output_size, input_size, align_corners, 
         raise ValueError(f"unknown upsample backward kernel {kernel!r}")
     corners = () if align_corners is None else (align_corners,)
     return getattr(aten, kernel)(grad, list(output_size), list(input_size), *corners, *scales)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and segment reductions (nn rules): data-dependent gathers whose backward scatters
+# into positions only the library kernel computes, so one call beats any fusion.
+
+
+@register_op("grid_sampler_backward", EXTERN)
+def _grid_sampler_backward(grad, input, grid, *, spatial, interpolation_mode, padding_mode, align_corners, output_mask):
+    """`spatial` (2 or 3) picks aten's grid_sampler_2d_backward or grid_sampler_3d_backward."""
+    kernel = {2: aten.grid_sampler_2d_backward, 3: aten.grid_sampler_3d_backward}[spatial]
+    return kernel(grad, input, grid, interpolation_mode, padding_mode, align_corners, list(output_mask))
+
+
+@register_op("segment_reduce_backward", EXTERN)
+def _segment_reduce_backward(grad, output, data, *segments, present, reduce, axis, initial):
+    """`segments` holds the present one(s) of (lengths, offsets)."""
+    lengths, offsets = _fill_absent(segments, present)
+    return aten._segment_reduce_backward(grad, output, data, reduce, lengths=lengths, offsets=offsets, axis=axis, initial=initial)

@@ -295,3 +295,41 @@ def sdpa_cudnn_backward(b, node, grads):
         ("attn_bias", "cum_seq_q", "cum_seq_k"),
         ("max_q", "max_k", "dropout_p", "is_causal", "scale"),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Grid sampling and segment reductions: one library call each.
+
+
+@register("GridSampler2DBackward0", "GridSampler3DBackward0")
+def grid_sampler_backward(b, node, grads):
+    # input, grid: grid_sampler_{2,3}d_backward(grad, input, grid, interpolation_mode, padding_mode, align_corners, grad_input_mask)
+    (grad,) = grads
+    outs = b.emit(
+        "grid_sampler_backward",
+        grad,
+        node.saved("input"),
+        node.saved("grid"),
+        spatial=3 if node.name == "GridSampler3DBackward0" else 2,
+        interpolation_mode=node.saved("interpolation_mode"),
+        padding_mode=node.saved("padding_mode"),
+        align_corners=node.saved("align_corners"),
+        output_mask=_mask(node, 2),
+    )
+    return _masked(node, outs)
+
+
+@register("SegmentReduceBackward0")
+def segment_reduce_backward(b, node, grads):
+    # data: _segment_reduce_backward(grad, result, data, reduce, lengths, offsets, axis, initial)
+    (grad,) = grads
+    out = emit_optional(
+        b,
+        "segment_reduce_backward",
+        [grad, node.saved("result"), node.saved("data")],
+        [_saved_or_none(node, "lengths"), _saved_or_none(node, "offsets")],
+        reduce=node.saved("reduce"),
+        axis=node.saved("axis"),
+        initial=node.saved("initial"),
+    )
+    return [out]

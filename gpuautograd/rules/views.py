@@ -1,5 +1,9 @@
 """Backward rules of layout (view) nodes: reshape, expand, transpose, squeeze, slices, cat, split.
 
+The `*_copy` ops (`torch.expand_copy`, `view_copy`, ...) return a fresh tensor instead of a view;
+their nodes (`ExpandBackward0_copy`, ...) have the view's formula and saved values, so they share
+its rule.
+
 Every rule here only moves gradient elements around (or sums them, for expand); none does math.
 """
 
@@ -40,19 +44,19 @@ def _zeros_like_type(b, t, dtype=None):
 # -- reshapes ---------------------------------------------------------------------------------
 
 
-@register("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+@register("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ViewBackward0_copy", "ReshapeAliasBackward0_copy")
 def view_backward(b, node, grads):
     # self: grad.reshape_symint(self.sym_sizes())
     return [b.reshape(grads[0], node.saved("self_sym_sizes"))]
 
 
-@register("AliasBackward0")
+@register("AliasBackward0", "AliasBackward0_copy")
 def alias_backward(b, node, grads):
     # self: grad
     return [grads[0]]
 
 
-@register("ExpandBackward0")
+@register("ExpandBackward0", "ExpandBackward0_copy")
 def expand_backward(b, node, grads):
     # self: at::sum_to(grad, self.sym_sizes())
     return [b.sum_to(grads[0], node.saved("self_sym_sizes"))]
@@ -65,6 +69,9 @@ def expand_backward(b, node, grads):
     "SqueezeBackward3",
     "SqueezeBackward4",
     "SqueezeBackward5",
+    "SqueezeBackward0_copy",
+    "SqueezeBackward1_copy",
+    "SqueezeBackward2_copy",
 )
 def squeeze_backward(b, node, grads):
     # self: unsqueeze_to(grad, [dim(s),] self.sym_sizes()); squeeze only drops size-1 dims, so
@@ -72,7 +79,7 @@ def squeeze_backward(b, node, grads):
     return [b.reshape(grads[0], node.saved("self_sym_sizes"))]
 
 
-@register("UnsqueezeBackward0", "UnsqueezeBackward1")
+@register("UnsqueezeBackward0", "UnsqueezeBackward1", "UnsqueezeBackward0_copy")
 def unsqueeze_backward(b, node, grads):
     # self: grad.squeeze(dim)   (dim counts in the output's dims, which grad has)
     grad = grads[0]
@@ -82,21 +89,21 @@ def unsqueeze_backward(b, node, grads):
 # -- dim permutations -------------------------------------------------------------------------
 
 
-@register("TBackward0", "TBackward1")
+@register("TBackward0", "TBackward1", "TBackward0_copy")
 def t_backward(b, node, grads):
     # self: grad.t()   (identity for 0-d and 1-d tensors)
     grad = grads[0]
     return [b.transpose(grad, 0, 1) if grad.ndim == 2 else grad]
 
 
-@register("TransposeBackward0", "TransposeBackward1")
+@register("TransposeBackward0", "TransposeBackward1", "TransposeBackward0_copy")
 def transpose_backward(b, node, grads):
     # self: grad.transpose(dim0, dim1)
     grad = grads[0]
     return [b.transpose(grad, norm_dim(node.saved("dim0"), grad.ndim), norm_dim(node.saved("dim1"), grad.ndim))]
 
 
-@register("PermuteBackward0")
+@register("PermuteBackward0", "PermuteBackward0_copy")
 def permute_backward(b, node, grads):
     # self: permute_backwards(grad, dims): grad.permute(inverse of dims)
     grad = grads[0]
@@ -110,7 +117,7 @@ def permute_backward(b, node, grads):
 # -- slices -----------------------------------------------------------------------------------
 
 
-@register("SliceBackward0")
+@register("SliceBackward0", "SliceBackward0_copy")
 def slice_backward(b, node, grads):
     # self: slice_backward_wrapper(grad, self.sym_sizes(), dim, start, end, step)
     #       = zeros(self.sizes).slice_scatter(grad, dim, start, end, step)
@@ -124,7 +131,7 @@ def slice_backward(b, node, grads):
     return [b.slice_scatter(base, grad, dim, start, end, step)]
 
 
-@register("SelectBackward0")
+@register("SelectBackward0", "SelectBackward0_copy")
 def select_backward(b, node, grads):
     # self: select_backward_symint(grad, self.sym_sizes(), dim, index)
     #       = zeros(self.sizes).select_scatter(grad, dim, index)
@@ -206,7 +213,14 @@ def _join_pieces(b, grads, piece_types, dim: int, unsqueeze: bool):
     return b.cat(pieces, dim)
 
 
-@register("SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0", "UnsafeSplitWithSizesBackward0")
+@register(
+    "SplitBackward0",
+    "SplitWithSizesBackward0",
+    "UnsafeSplitBackward0",
+    "UnsafeSplitWithSizesBackward0",
+    "SplitBackward0_copy",
+    "SplitWithSizesBackward0_copy",
+)
 def split_backward(b, node, grads):
     # self: split_backward / split_with_sizes_backward(grads, split_size(s), dim, sizes, options):
     #       cat(grads, dim) with zeros for the outputs without a gradient (unsafe_split and
@@ -216,9 +230,21 @@ def split_backward(b, node, grads):
     return [_join_pieces(b, grads, pieces, dim, unsqueeze=False)]
 
 
-@register("UnbindBackward0")
+@register("UnbindBackward0", "UnbindBackward0_copy")
 def unbind_backward(b, node, grads):
     # self: unbind_backward(grads, dim): stack(grads, dim) with zeros for missing ones
     pieces = [node.input_type(i) for i in range(len(grads))]
     dim = norm_dim(node.saved("dim"), pieces[0].ndim + 1)
     return [_join_pieces(b, grads, pieces, dim, unsqueeze=True)]
+
+
+# -- copy_ ------------------------------------------------------------------------------------
+
+
+@register("torch::autograd::CopyBackwards")
+def copy_backward(b, node, grads):
+    # self: zeros_like(grad) (copy_ overwrote it);  src: grad, which the driver sums, casts and
+    # moves to src's shape, dtype and device like validate_outputs
+    grad = grads[0]
+    self_grad = _zeros_like_type(b, grad) if node.needs(0) else None
+    return [self_grad, grad if node.needs(1) else None]

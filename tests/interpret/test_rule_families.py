@@ -238,6 +238,7 @@ FAMILIES = {
     "scatter_reduce": test_rules_coverage.SCATTER_REDUCE,
     "layers": test_rules_coverage.LAYERS,
     "recurrent": test_rules_coverage.RECURRENT,
+    "sampling": test_rules_coverage.SAMPLING,
 }
 
 # Where kernels accumulate: these families also run in float64 and bfloat16 (the dtypes each case allows).

@@ -75,6 +75,9 @@ def zoo():
     yield "ctc", F.ctc_loss(log_probs, torch.tensor([[1, 2], [3, 3]]), [6, 5], [2, 2])
     lstm = torch.nn.LSTM(7, 3)  # float32 on the CPU: oneDNN's fused layer
     yield "onednn_lstm", lstm(x.float()[None])[0].sum()
+    grid = (torch.rand(1, 3, 4, 2, dtype=torch.float64) * 2 - 1).requires_grad_()
+    yield "grid_sample", F.grid_sample(x[None, None], grid, align_corners=False).pow(2).sum()
+    yield "segment_reduce", torch.segment_reduce(x, "max", lengths=torch.tensor([2, 3])).pow(2).sum()
     yield "nll", F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 3, 6, 1, 1]), ignore_index=1, weight=torch.rand(7, dtype=torch.float64))
 
 

@@ -343,7 +343,127 @@ RECURRENT = [
     ),
 ]
 
-ALL = SELECTION + SCANS + SPECIAL + SCATTER_REDUCE + LAYERS + RECURRENT
+# -- sampling and segment reductions: one library call each -----------------------------------
+
+
+def grid(n, h, w, nc=False):
+    """A sampling grid in (-1.2, 1.2): some points fall outside the input, where padding acts."""
+
+    def maker(dtype):
+        g = rand(n, w, h, 2, dtype=torch.float64, requires_grad=False, noncontiguous=False).tanh() * 1.2
+        g = g.transpose(1, 2) if nc else g.reshape(n, h, w, 2)
+        return g.to(dtype).requires_grad_()
+
+    return maker
+
+
+def _grid_sample_cases():
+    cases = []
+    for mode in ("bilinear", "nearest", "bicubic"):
+        for padding in ("zeros", "border", "reflection"):
+            for corners in (False, True):
+                fn = lambda x, g, m=mode, p=padding, c=corners: F.grid_sample(x, g, mode=m, padding_mode=p, align_corners=c)
+                nc = corners
+                cases.append(
+                    Case(
+                        f"grid_sample_{mode}_{padding}_{int(corners)}",
+                        "GridSampler2DBackward0",
+                        fn,
+                        make(leaf(2, 3, 7, 5, nc=nc), grid(2, 4, 9, nc=nc)),
+                        NO_HALF,
+                    )
+                )
+    cases.append(
+        Case(
+            "grid_sample_input_only",
+            "GridSampler2DBackward0",
+            lambda x, g: F.grid_sample(x, g.detach(), align_corners=False),
+            make(leaf(1, 2, 5, 7), grid(1, 3, 3)),
+            NO_HALF,
+        )
+    )
+    cases.append(
+        Case(
+            "grid_sample_grid_only",
+            "GridSampler2DBackward0",
+            lambda x, g: F.grid_sample(x.detach(), g, align_corners=True),
+            make(leaf(1, 2, 5, 7), grid(1, 3, 3)),
+            NO_HALF,
+        )
+    )
+    for mode in ("bilinear", "nearest"):  # the 3-d sampler has no bicubic mode
+        for padding in ("zeros", "border", "reflection"):
+            fn = lambda x, g, m=mode, p=padding: F.grid_sample(x, g, mode=m, padding_mode=p, align_corners=p == "border")
+            cases.append(
+                Case(
+                    f"grid_sample_3d_{mode}_{padding}",
+                    "GridSampler3DBackward0",
+                    fn,
+                    make(leaf(2, 2, 3, 5, 4, nc=True), grid3d(2, 3, 2, 5)),
+                    NO_HALF,
+                )
+            )
+    return cases
+
+
+def grid3d(n, d, h, w):
+    """A 3-d sampling grid in (-1.2, 1.2), a non-contiguous view."""
+
+    def maker(dtype):
+        g = (rand(n, d, w, h, 3, dtype=torch.float64, requires_grad=False).tanh() * 1.2).transpose(2, 3)
+        return g.to(dtype).requires_grad_()
+
+    return maker
+
+
+def segment_data(*shape, nc=False):
+    """Distinct values (no ties for max / min) away from zero (prod divides by them)."""
+
+    def maker(dtype):
+        x = rand(*shape, dtype=torch.float64, requires_grad=False, noncontiguous=nc)
+        return (x.sign() * (x.abs() + 0.5)).to(dtype).requires_grad_()
+
+    return maker
+
+
+LENGTHS = torch.tensor([3, 0, 5, 1, 4])
+OFFSETS = torch.tensor([0, 2, 2, 9, 13])
+
+
+def _segment_cases():
+    cases = []
+    for reduce in ("sum", "mean", "max", "min", "prod"):
+        cases += [
+            Case(
+                f"segment_{reduce}_lengths",
+                "SegmentReduceBackward0",
+                lambda x, r=reduce: torch.segment_reduce(x, r, lengths=LENGTHS, initial=0.5),
+                make(segment_data(13, nc=False)),
+                NO_HALF,
+            ),
+            Case(
+                f"segment_{reduce}_offsets_2d",
+                "SegmentReduceBackward0",
+                lambda x, r=reduce: torch.segment_reduce(x, r, offsets=OFFSETS, initial=2.0),
+                make(segment_data(13, 7, nc=True)),
+                NO_HALF,
+            ),
+        ]
+    cases.append(
+        Case(
+            "segment_sum_no_initial",
+            "SegmentReduceBackward0",
+            lambda x: torch.segment_reduce(x, "sum", lengths=torch.tensor([6, 7])),
+            make(segment_data(13, 3)),
+            NO_HALF,
+        )
+    )
+    return cases
+
+
+SAMPLING = _grid_sample_cases() + _segment_cases()
+
+ALL = SELECTION + SCANS + SPECIAL + SCATTER_REDUCE + LAYERS + RECURRENT + SAMPLING
 
 
 @pytest.mark.parametrize("case, dtype", params(ALL))

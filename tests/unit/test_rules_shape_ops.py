@@ -41,6 +41,18 @@ def masked_count(m):
     return int(m.sum())
 
 
+def _has_narrow_copy_node() -> bool:
+    """torch 2.11 gives narrow_copy no autograd formula (a NotImplemented node)."""
+    return torch.narrow_copy(torch.ones(3, requires_grad=True), 0, 0, 1).grad_fn.name() == "NarrowCopyBackward0"
+
+
+NARROW_COPY = [
+    Case("narrow_copy", "NarrowCopyBackward0", lambda x: torch.narrow_copy(x, 1, -9, 5), one(7, 13, nc=True)),
+    Case("narrow_copy_empty", "NarrowCopyBackward0", lambda x: torch.narrow_copy(x, 0, 2, 0), one(7, 13)),
+    Case("narrow_copy_all", "NarrowCopyBackward0", lambda x: torch.narrow_copy(x, 0, 0, 7), one(7, 13)),
+]
+NARROW_COPY = NARROW_COPY if _has_narrow_copy_node() else []
+
 M7 = mask(7, 13)
 M_ROW = mask(13, seed=1)
 
@@ -162,6 +174,67 @@ CASES = [
     Case("unfold_gap", "UnfoldBackward0", lambda x: x.unfold(1, 2, 5), one(3, 13, 7)),
     Case("unfold_big", "UnfoldBackward0", lambda x: x.unfold(0, 7, 3), one(33, 65)),
     Case("unfold_0d", "UnfoldBackward0", lambda x: x.unfold(0, 1, 1), one()),
+    Case("unfold_copy", "UnfoldBackward0_copy", lambda x: torch.unfold_copy(x, 1, 5, 2), one(7, 13, nc=True)),
+    Case("diagonal_copy", "DiagonalBackward0_copy", lambda x: torch.diagonal_copy(x, 1, 0, 2), one(7, 3, 13)),
+    # scatters into a view: the overwritten part of self gets no gradient
+    Case("diagonal_scatter", "DiagonalScatterBackward0", lambda x, s: x.diagonal_scatter(s), make(leaf(7, 13, nc=True), leaf(7))),
+    Case(
+        "diagonal_scatter_offset",
+        "DiagonalScatterBackward0",
+        lambda x, s: x.diagonal_scatter(s, -2, 2, 0),
+        make(leaf(5, 3, 7), leaf(3, 5, nc=True)),
+    ),
+    Case("diagonal_scatter_empty", "DiagonalScatterBackward0", lambda x, s: x.diagonal_scatter(s, 13), make(leaf(7, 13), leaf(0))),
+    Case("slice_scatter", "SliceScatterBackward0", lambda x, s: x.slice_scatter(s, 1, 2, 11, 3), make(leaf(7, 13, nc=True), leaf(7, 3))),
+    Case("slice_scatter_neg", "SliceScatterBackward0", lambda x, s: x.slice_scatter(s, 0, -4), make(leaf(7, 13), leaf(4, 13, nc=True))),
+    Case("slice_scatter_src_only", "SliceScatterBackward0", lambda x, s: x.slice_scatter(s, 1, 5, 6), make(const(7, 13), leaf(7, 1))),
+    Case("select_scatter", "SelectScatterBackward0", lambda x, s: x.select_scatter(s, 1, -3), make(leaf(7, 13, nc=True), leaf(7))),
+    Case("select_scatter_3d", "SelectScatterBackward0", lambda x, s: x.select_scatter(s, 0, 2), make(leaf(3, 7, 13), leaf(7, 13, nc=True))),
+    # block_diag: 0-d, 1-d (a row) and 2-d blocks
+    Case(
+        "block_diag",
+        "BlockDiagBackward0",
+        lambda a, c, d: torch.block_diag(a, c, d),
+        make(leaf(7, 13, nc=True), leaf(), leaf(5)),
+    ),
+    Case("block_diag_const_first", "BlockDiagBackward0", lambda c, a: torch.block_diag(c, a), make(const(3, 4), leaf(7, 5, nc=True))),
+    Case("block_diag_one", "BlockDiagBackward0", lambda a: torch.block_diag(a) * 2, one(3, 7)),
+    # copy_ into a tensor that requires grad: src broadcast, cast to another dtype
+    Case("copy_", "torch::autograd::CopyBackwards", lambda x, s: fresh(x).copy_(s), make(leaf(7, 13), leaf(7, 13, nc=True))),
+    Case("copy_bcast", "torch::autograd::CopyBackwards", lambda x, s: fresh(x).copy_(s) * x, make(leaf(7, 13), leaf(13))),
+    Case(
+        "copy_dtype",
+        "torch::autograd::CopyBackwards",
+        lambda x, s: fresh(x).copy_(s.double()[:, :13]),
+        make(leaf(7, 13), leaf(7, 15)),
+    ),
+    Case("copy_src_only", "torch::autograd::CopyBackwards", lambda s: torch.zeros(7, 13, dtype=s.dtype).copy_(s) * 3, one(7, 13)),
+    *NARROW_COPY,
+    # as_strided_scatter: the src gradient (self's declines, see test_as_strided_declines_and_runs_opaque)
+    Case(
+        "as_strided_scatter",
+        "AsStridedScatterBackward0",
+        lambda x, s: torch.as_strided_scatter(x, s, (4, 5), (1, 7), 2),
+        make(const(7, 13), leaf(4, 5, nc=True)),
+    ),
+    Case(
+        "as_strided_scatter_3d",
+        "AsStridedScatterBackward0",
+        lambda x, s: torch.as_strided_scatter(x, s, (3, 2, 2), (35, 3, 1), 1),
+        make(const(3, 5, 7), leaf(3, 2, 2)),
+    ),
+    Case(
+        "as_strided_scatter_nc_self",
+        "AsStridedScatterBackward0",
+        lambda x, s: torch.as_strided_scatter(x.t(), s, (6, 2), (2, 13), 4),
+        make(const(13, 7), leaf(6, 2, nc=True)),
+    ),
+    Case(
+        "as_strided_scatter_empty",
+        "AsStridedScatterBackward0",
+        lambda x, s: torch.as_strided_scatter(x, s, (0, 3), (1, 1)) * 2,
+        make(const(7, 13), leaf(0, 3)),
+    ),
 ]
 
 
@@ -232,12 +305,24 @@ def test_upsample_is_one_kernel_call():
 # -- as_strided: declined, runs as the live node ----------------------------------------------
 
 
-def test_as_strided_declines_and_runs_opaque():
-    x = rand(7, 13)
-    fn = lambda x: x.t().as_strided((4, 5), (1, 7), 2)  # strides of the transposed view matter
-    report = gpuautograd.explain([fn(x)], [torch.ones(4, 5, dtype=torch.float64)])
-    assert report.opaque_nodes == ["AsStridedBackward0"] and "strides and storage offset" in str(report)
-    check_grads(fn, x, allow_opaque=True)
+AS_STRIDED = [
+    (
+        "AsStridedBackward0",
+        "strides and storage offset",
+        lambda x, s: x.t().as_strided((4, 5), (1, 7), 2),
+    ),  # the transposed view's strides matter
+    ("AsStridedBackward0_copy", "strides and storage offset", lambda x, s: torch.as_strided_copy(x.t(), (4, 5), (1, 7), 2)),
+    ("AsStridedScatterBackward0", "fails gradcheck", lambda x, s: torch.as_strided_scatter(x, s, (4, 5), (1, 7), 2)),  # self needs grad
+]
+
+
+@pytest.mark.parametrize("node, reason, fn", AS_STRIDED, ids=[n for n, _, _ in AS_STRIDED])
+def test_as_strided_declines_and_runs_opaque(node, reason, fn):
+    x, s = rand(7, 13), rand(4, 5)
+    out = fn(x, s)
+    report = gpuautograd.explain([out], [torch.ones_like(out)])
+    assert report.opaque_nodes == [node] and reason in str(report)
+    check_grads(fn, x, s, allow_opaque=True)
 
 
 # -- the gradients are exactly where the forward read -----------------------------------------

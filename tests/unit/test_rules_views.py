@@ -88,6 +88,23 @@ CASES = [
     Case("unbind_all", "UnbindBackward0", lambda x: x.unbind(1), one(7, 13, nc=True)),
     Case("unbind_one", "UnbindBackward0", lambda x: x.unbind(0)[3], one(7, 13)),
     Case("unbind_neg", "UnbindBackward0", lambda x: x.unbind(-1)[::4], one(3, 7, 5)),
+    # the *_copy ops: a fresh tensor, the view's formula
+    Case("view_copy", "ViewBackward0_copy", lambda x: torch.view_copy(x, (13, 7)), one(7, 13)),
+    Case("reshape_alias_copy", "ReshapeAliasBackward0_copy", lambda x: torch.ops.aten._reshape_alias_copy(x, (91,), (1,)), one(7, 13)),
+    Case("alias_copy", "AliasBackward0_copy", lambda x: torch.alias_copy(x), one(7, 13, nc=True)),
+    Case("expand_copy", "ExpandBackward0_copy", lambda x: torch.expand_copy(x, (3, 7, 13)), one(7, 1, nc=True)),
+    Case("squeeze_copy", "SqueezeBackward0_copy", lambda x: torch.squeeze_copy(x), one(7, 1, 13)),
+    Case("squeeze_copy_dim", "SqueezeBackward1_copy", lambda x: torch.squeeze_copy(x, -1), one(7, 13, 1)),
+    Case("squeeze_copy_dims", "SqueezeBackward2_copy", lambda x: torch.squeeze_copy(x, (0, 2)), one(1, 13, 1)),
+    Case("unsqueeze_copy", "UnsqueezeBackward0_copy", lambda x: torch.unsqueeze_copy(x, -2), one(7, 13, nc=True)),
+    Case("t_copy", "TBackward0_copy", lambda x: torch.t_copy(x), one(7, 13, nc=True)),
+    Case("transpose_copy", "TransposeBackward0_copy", lambda x: torch.transpose_copy(x, 0, -1), one(3, 7, 13)),
+    Case("permute_copy", "PermuteBackward0_copy", lambda x: torch.permute_copy(x, (2, 0, 1)), one(3, 7, 13, nc=True)),
+    Case("select_copy", "SelectBackward0_copy", lambda x: torch.select_copy(x, 1, -3), one(7, 13, nc=True)),
+    Case("slice_copy", "SliceBackward0_copy", lambda x: torch.slice_copy(x, 1, 2, 11, 3), one(7, 13)),
+    Case("split_copy", "SplitBackward0_copy", lambda x: torch.split_copy(x, 4, 1)[1:], one(7, 13, nc=True)),
+    Case("split_sizes_copy", "SplitWithSizesBackward0_copy", lambda x: torch.split_with_sizes_copy(x, [2, 5], 0)[0], one(7, 13)),
+    Case("unbind_copy", "UnbindBackward0_copy", lambda x: torch.unbind_copy(x, 1)[::5], one(7, 13)),
 ]
 
 

@@ -183,6 +183,7 @@ def _div_rounded(a, b, *, mode):
     fmod's gradients need exactly torch's quotient (floor(a / b) can be one off after rounding)."""
     return torch.div(a, b, rounding_mode=mode)
 
+
 _COMPARE = {
     "eq": lambda a, b: a == b,
     "ne": lambda a, b: a != b,

@@ -75,6 +75,7 @@ def zoo():
     yield "ctc", F.ctc_loss(log_probs, torch.tensor([[1, 2], [3, 3]]), [6, 5], [2, 2])
     lstm = torch.nn.LSTM(7, 3)  # float32 on the CPU: oneDNN's fused layer
     yield "onednn_lstm", lstm(x.float()[None])[0].sum()
+    yield "rounded_quotients", (torch.remainder(x, y.abs() + 0.5) + torch.fmod(x, y.abs() + 0.5) + torch.i0(x)).sum()
     yield "nll", F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 3, 6, 1, 1]), ignore_index=1, weight=torch.rand(7, dtype=torch.float64))
 
 

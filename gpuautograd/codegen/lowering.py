@@ -112,7 +112,8 @@ def _div_rounded(em, a, b, attrs, out):
     div = em.tmp(f"tl.where(({mod} != 0.0) & (({b} < 0.0) != ({mod} < 0.0)), {div} - 1.0, {div})")
     low = em.tmp(f"tl.floor({div})")
     low = em.tmp(f"tl.where({div} - {low} > 0.5, {low} + 1.0, {low})")
-    signed_zero = f"tl.where(1.0 / {q} < 0.0, -0.0, 0.0)"  # copysign(0, q): 1 / -0.0 is -inf
+    # copysign(0, q), with q finite where it is taken: a product (Triton 3.6 read a -0.0 literal as +0.0)
+    signed_zero = f"{q} * 0.0"
     return f"tl.where({b} == 0.0, {q}, tl.where({div} != 0.0, {low}, {signed_zero}))"
 
 

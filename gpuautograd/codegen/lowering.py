@@ -99,6 +99,24 @@ def _pow(em, a, b, attrs, out):
     return f"tl.where({b} == 0.0, 1.0, {signed})"
 
 
+def _div_rounded(em, a, b, attrs, out):
+    q = em.tmp(f"{a} / {b}")
+    if attrs["mode"] == "trunc":
+        return f"tl.where({q} < 0.0, -tl.floor(-{q}), tl.floor({q}))"
+    # floor, as c10's div_floor_floating: (a - fmod(a, b)) / b, moved down one where the
+    # remainder's sign is not the divisor's, then floored with a fix-up of half a step; a zero
+    # quotient keeps the sign of a / b and division by zero gives IEEE's a / b. Triton's float
+    # `%` is C's fmod (the dividend's sign), in the interpreter as in compiled code.
+    mod = em.tmp(f"{a} % {b}")
+    div = em.tmp(f"({a} - {mod}) / {b}")
+    div = em.tmp(f"tl.where(({mod} != 0.0) & (({b} < 0.0) != ({mod} < 0.0)), {div} - 1.0, {div})")
+    low = em.tmp(f"tl.floor({div})")
+    low = em.tmp(f"tl.where({div} - {low} > 0.5, {low} + 1.0, {low})")
+    # copysign(0, q), with q finite where it is taken: a product (Triton 3.6 read a -0.0 literal as +0.0)
+    signed_zero = f"{q} * 0.0"
+    return f"tl.where({b} == 0.0, {q}, tl.where({div} != 0.0, {low}, {signed_zero}))"
+
+
 # op name -> lowering(emitter, *operand expressions, attrs, out compute dtype) -> expression
 LOWERINGS = {
     "exp": lambda em, a, attrs, out: f"tl.exp({a})",
@@ -116,6 +134,7 @@ LOWERINGS = {
     "mul": _binary("{a} * {b}"),
     "div": _binary("{a} / {b}"),
     "pow": _pow,
+    "div_rounded": _div_rounded,
     "eq": _binary("{a} == {b}"),
     "ne": _binary("{a} != {b}"),
     "lt": _binary("{a} < {b}"),
@@ -131,6 +150,7 @@ LOWERINGS = {
 # Pointwise ops that run as one library call instead (with the reason, for the fusion log).
 LIBRARY_POINTWISE = {
     "erfinv": "erfinv has no tl primitive that the interpreter runs; it stays a torch call",
+    "special_i1": "the Bessel function i1 has no tl primitive that the interpreter runs; it stays a torch call",
 }
 
 # digamma and polygamma: reflection, recurrence and an asymptotic series (special.py says how)

@@ -81,6 +81,7 @@ _UNARY_FLOAT = {
     "sinh": torch.sinh,  # cosh' = sinh: exp(x) - exp(-x) cancels near 0
     "erfinv": torch.erfinv,  # erfinv's backward needs erfinv(self); only self is saved
     "digamma": torch.digamma,  # lgamma' = digamma
+    "special_i1": torch.special.i1,  # i0' = i1 (a library call: no tl primitive)
 }
 _UNARY_SAME = {"sign": torch.sign, "neg": torch.neg}
 
@@ -113,6 +114,14 @@ _BINARY = {
 for _name, _fn in _BINARY.items():
     register_op(_name, POINTWISE, _pointwise_infer())(_fn)
 register_op("div", POINTWISE, _pointwise_infer("float"))(lambda a, b: a / b)
+
+
+@register_op("div_rounded", POINTWISE, _pointwise_infer())
+def _div_rounded(a, b, *, mode):
+    """a / b rounded by `mode` ("floor" or "trunc") as torch.div computes it: remainder's and
+    fmod's gradients need exactly torch's quotient (floor(a / b) can be one off after rounding)."""
+    return torch.div(a, b, rounding_mode=mode)
+
 
 _COMPARE = {
     "eq": lambda a, b: a == b,

@@ -178,6 +178,12 @@ def erfinv_backward(b, node, grads):
     return [b.mul(b.mul(b.exp(b.mul(y, y)), _HALF_SQRT_PI), grads[0])]
 
 
+@register("I0Backward0")
+def i0_backward(b, node, grads):
+    # self: grad * at::special_i1(self)
+    return [b.mul(grads[0], b.special_i1(node.saved("self")))]
+
+
 @register("SincBackward0")
 def sinc_backward(b, node, grads):
     # x_pi = self * pi; where(self * self * pi == 0, 0, grad * (x_pi * cos(x_pi) - sin(x_pi)) / (self * self * pi))
@@ -210,6 +216,42 @@ def zero_backward(b, node, grads):
 def pass_through_backward(b, node, grads):
     # frac, fmod.Scalar, remainder.Scalar: self: grad
     return [grads[0]]
+
+
+def _rounded_quotient_backward(b, node, grads, mode: str):
+    # self: grad; other: -grad * self.div(other, rounding_mode=mode)
+    (g,) = grads
+    gy = None
+    if node.needs(1):
+        gy = b.mul(b.neg(g), b.emit("div_rounded", node.saved("self"), node.saved("other"), mode=mode))
+    return [g if node.needs(0) else None, gy]
+
+
+@register("RemainderBackward1")
+def remainder_backward(b, node, grads):
+    # remainder.Tensor: self: grad; other: -grad * self.div(other, rounding_mode="floor")
+    return _rounded_quotient_backward(b, node, grads, "floor")
+
+
+@register("FmodBackward1")
+def fmod_backward(b, node, grads):
+    # fmod.Tensor: self: grad; other: -grad * self.div(other, rounding_mode="trunc")
+    return _rounded_quotient_backward(b, node, grads, "trunc")
+
+
+@register("FmaxBackward0", "FminBackward0")
+def fmax_fmin_backward(b, node, grads):
+    # fmax: self: grad.masked_fill((self >= other).logical_or_(other.isnan()).logical_not_(), 0)
+    #       other: grad.masked_fill((self >= other).logical_or_(other.isnan()), 0)
+    # fmin: the same with self <= other. The non-NaN side takes the gradient; a tie (and two
+    # NaNs) gives it all to self.
+    (g,) = grads
+    x, y = node.saved("self"), node.saved("other")
+    wins = b.ge(x, y) if node.name == "FmaxBackward0" else b.le(x, y)
+    to_self = b.logical_or(wins, _isnan(b, y))
+    gx = b.where(to_self, g, 0.0) if node.needs(0) else None
+    gy = b.where(to_self, 0.0, g) if node.needs(1) else None
+    return [gx, gy]
 
 
 @register("Deg2RadBackward0")
@@ -530,6 +572,22 @@ def norm_backward(b, node, grads):
     dim = node.saved("dim") if has_dim else ()
     keepdim = node.saved("keepdim") if has_dim else True
     return [_norm_backward(b, g, x, node.saved("p"), node.saved("result"), dim, keepdim)]
+
+
+@register("DistBackward0")
+def dist_backward(b, node, grads):
+    # self: norm_backward(grad, self - other, p, result); other: -norm_backward(grad, self - other, p, result)
+    # p = 0: norm_backward gives no gradient; torch's own node then fails on `other` (it negates
+    # an undefined tensor), so that case runs the node itself and raises what torch raises
+    p = float(node.saved("p"))
+    if p == 0.0:
+        if node.needs(1):
+            raise NotImplementedError("DistBackward0 with p=0 and `other` requiring grad: torch's node raises there")
+        return [None, None]
+    g = grads[0]
+    diff = b.sub(node.saved("self"), node.saved("other"))
+    grad = _norm_backward(b, g, diff, p, node.saved("result"), (), True)
+    return [grad if node.needs(0) else None, b.neg(grad) if node.needs(1) else None]
 
 
 @register("LogsumexpBackward0")

@@ -1,4 +1,5 @@
-"""Backward rules of reductions: sum, mean, and the value-selecting max / min / amax / amin."""
+"""Backward rules of reductions: sum, mean, and the value-selecting max / min / amax / amin /
+median / nanmedian."""
 
 from __future__ import annotations
 
@@ -66,9 +67,10 @@ def mean_dim_backward(b, node, grads):
     return [_sum_backward(b, g, sizes, dim, node.saved("keepdim"))]
 
 
-@register("MaxBackward0", "MinBackward0")
+@register("MaxBackward0", "MinBackward0", "MedianBackward1", "NanmedianBackward1")
 def value_selecting_backward(b, node, grads):
-    # self: zeros(sizes).scatter(dim, indices, grad), indices and grad unsqueezed unless keepdim
+    # self: value_selecting_reduction_backward(grad, dim, indices, sizes, keepdim)
+    #     = zeros(sizes).scatter(dim, indices, grad), indices and grad unsqueezed unless keepdim
     g = grads[0]  # grads[1] belongs to the integer indices output and is always None
     if g is None:
         return [None]
@@ -87,7 +89,7 @@ def _ties(b, x, value):
     return b.logical_or(b.eq(x, value), b.logical_and(b.ne(x, x), b.ne(value, value)))
 
 
-@register("MaxBackward1", "MinBackward1")
+@register("MaxBackward1", "MinBackward1", "MedianBackward0", "NanmedianBackward0")
 def evenly_distribute_backward(b, node, grads):
     # self: mask = (self == result); where(mask, grad / mask.sum(), 0): ties share the gradient
     x = node.saved("self")

@@ -1,5 +1,5 @@
 """Backward rules of the linalg inverses and solves: inv, solve, solve_triangular,
-triangular_solve, cholesky_solve, det, slogdet, pinv, lstsq.
+triangular_solve, cholesky_solve, cholesky_inverse, det, slogdet, pinv, lstsq.
 
 The solves are extern library calls (ir/linalg_ops.py) on the factorizations the forward saved;
 the products and masks around them are mm / bmm and pointwise IR (rules/matrix.py), so they
@@ -129,6 +129,20 @@ def cholesky_solve_backward(b, node, grads):
         common = b.add(common, mT(b, common))
         grad_L = b.neg(matmul(b, L, common) if upper else matmul(b, common, L))
     return [grad_self if node.needs(0) else None, grad_L]
+
+
+@register("CholeskyInverseBackward0")
+def cholesky_inverse_backward(b, node, grads):
+    # self: cholesky_inverse_backward(grad, self, upper, result):
+    #   common = inverse (grad + grad^H) inverse;  grad_L = -L common (upper) or -common L
+    grad = grads[0]
+    if grad is None:
+        return [None]
+    L, inverse = node.saved("self"), node.saved("result")
+    require_real(node, L, grad)
+    common = b.add(grad, mT(b, grad))
+    common = matmul(b, inverse, matmul(b, common, inverse))
+    return [b.neg(matmul(b, L, common) if node.saved("upper") else matmul(b, common, L))]
 
 
 def _diagonal_rhs(b, values, pivots):

@@ -239,10 +239,11 @@ FAMILIES = {
     "layers": test_rules_coverage.LAYERS,
     "recurrent": test_rules_coverage.RECURRENT,
     "sampling": test_rules_coverage.SAMPLING,
+    "tail": test_rules_coverage.TAIL,
 }
 
 # Where kernels accumulate: these families also run in float64 and bfloat16 (the dtypes each case allows).
-ALL_DTYPES = {"reductions", "statistics", "norms", "norms_more", "losses", "scans", "special", "scatter_reduce"}
+ALL_DTYPES = {"reductions", "statistics", "norms", "norms_more", "losses", "scans", "special", "scatter_reduce", "tail"}
 
 
 # Cases that fail today because of a bug in the generated kernels: (case id, dtype or None for
@@ -413,6 +414,22 @@ def test_statistics_compose_with_other_nodes_on_interpret():
         return torch.logsumexp(z, 1).sum() + torch.linalg.vector_norm(z, 3) + z.cumsum(0).pow(2).sum()
 
     grads_agree_on_interpret(fn, x, w)
+
+
+@pytest.mark.parametrize("op", [torch.remainder, torch.fmod], ids=["remainder", "fmod"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_rounded_quotients_bit_for_bit_on_interpret(op, dtype):
+    # the kernel's floor / trunc division is torch's, signed zeros, infinities and NaNs included
+    # (assert_close would not see the sign of a zero)
+    a, b = test_rules_coverage.exact_quotients(dtype)
+    out = op(a, b)
+    g = torch.linspace(1.0, 2.0, out.numel(), dtype=dtype).reshape(out.shape)
+    with no_kernel_fallback():
+        (ours,) = gpuautograd.grad([out], [b], [g], retain_graph=True, backend=BACKEND)
+    (theirs,) = torch.autograd.grad([out], [b], [g])
+    assert torch.equal(ours.isnan(), theirs.isnan())
+    assert torch.equal(ours.nan_to_num(0.5), theirs.nan_to_num(0.5))
+    assert torch.equal(torch.signbit(ours), torch.signbit(theirs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])

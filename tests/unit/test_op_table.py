@@ -78,6 +78,7 @@ def zoo():
     grid = (torch.rand(1, 3, 4, 2, dtype=torch.float64) * 2 - 1).requires_grad_()
     yield "grid_sample", F.grid_sample(x[None, None], grid, align_corners=False).pow(2).sum()
     yield "segment_reduce", torch.segment_reduce(x, "max", lengths=torch.tensor([2, 3])).pow(2).sum()
+    yield "rounded_quotients", (torch.remainder(x, y.abs() + 0.5) + torch.fmod(x, y.abs() + 0.5) + torch.i0(x)).sum()
     yield "nll", F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 3, 6, 1, 1]), ignore_index=1, weight=torch.rand(7, dtype=torch.float64))
 
 

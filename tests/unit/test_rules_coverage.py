@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import Case, check_grads, fixed, idx, leaf, make, params, rand, run_case
-from tests.unit.test_rules_math import with_zeros
+from tests.helpers import Case, check_grads, const, fixed, idx, leaf, make, params, rand, run_case
+from tests.unit.test_rules_math import INF, with_zeros
 from tests.unit.test_rules_pointwise import integers, positive
 
 pytestmark = [
@@ -464,6 +464,135 @@ def _segment_cases():
 SAMPLING = _grid_sample_cases() + _segment_cases()
 
 ALL = SELECTION + SCANS + SPECIAL + SCATTER_REDUCE + LAYERS + RECURRENT + SAMPLING
+# -- the long tail: rounded quotients, NaN-aware extrema, i0, median, dist, cholesky_inverse ----
+
+NAN = float("nan")
+
+
+def away_from_zero(*shape, dtype=torch.float64, noncontiguous=False, low=0.4):
+    """A random leaf of either sign with |x| >= low: a divisor, or a difference that is not a tie."""
+    x = rand(*shape, dtype=torch.float64, requires_grad=False, noncontiguous=noncontiguous)
+    x = torch.where(x < 0, x - low, x + low)
+    return x.to(dtype).requires_grad_()
+
+
+def with_values(*shape, dtype=torch.float64, at=(), value=NAN, noncontiguous=False, maker=None):
+    """A leaf (random, or from `maker`) with `value` written at the `at` positions."""
+    x = (maker or rand)(*shape, dtype=dtype, noncontiguous=noncontiguous).detach().clone()
+    for pos in at:
+        x[pos] = value
+    return x.requires_grad_()
+
+
+def exact_quotients(dtype):
+    """Dividends and divisors whose quotients are exact integers of either sign, 1 / 0.1 (which
+    rounds to 10 while torch's floor division says 9), and divisors of 0 and inf."""
+    a = torch.tensor([[4.0, -4.0, 4.0, -4.0, 1.0, -1.0, 3.0, 0.0, 5.0, -5.0, 0.0]], dtype=dtype)
+    b = torch.tensor([[2.0, 2.0, -2.0, -2.0, 0.1, 0.1, 0.0, 0.0, INF, INF, -1.5]], dtype=dtype)
+    return a.requires_grad_(), b.requires_grad_()
+
+
+def nan_pairs(dtype):
+    """fmax / fmin operands: NaN on either side, on both, ties, and ordinary values."""
+    x = torch.tensor([NAN, 1.0, NAN, 2.0, -1.0, 0.5, 3.0], dtype=dtype)
+    y = torch.tensor([1.0, NAN, NAN, 2.0, -1.0, 0.7, -3.0], dtype=dtype)
+    return x.requires_grad_(), y.requires_grad_()
+
+
+def spd_factor(n, *batch, dtype=torch.float64, upper=False, noncontiguous=False):
+    """A Cholesky factor of a well-conditioned SPD matrix (lower, or upper when asked)."""
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(*batch, n, n, dtype=torch.float64, generator=g)
+    factor = torch.linalg.cholesky(a @ a.mT + n * torch.eye(n, dtype=torch.float64))
+    factor = factor.mT if upper else factor
+    factor = factor.to(dtype)
+    return (factor.mT.contiguous().mT if noncontiguous else factor.contiguous()).requires_grad_()
+
+
+TAIL = [
+    Case("remainder_broadcast", "RemainderBackward1", torch.remainder, lambda d: (rand(7, 13, dtype=d), away_from_zero(13, dtype=d))),
+    Case(
+        "remainder_nc_negative",
+        "RemainderBackward1",
+        lambda x, y: torch.remainder(x * 3, y),
+        lambda d: (rand(7, 13, dtype=d, noncontiguous=True), away_from_zero(7, 13, dtype=d, noncontiguous=True)),
+    ),
+    Case("remainder_exact_quotients", "RemainderBackward1", torch.remainder, exact_quotients, NO_HALF),
+    Case(
+        "remainder_integers",
+        "RemainderBackward1",
+        torch.remainder,
+        lambda d: (integers(7, 13, dtype=d, high=5), away_from_zero(7, 1, dtype=d)),
+    ),
+    Case("fmod_broadcast", "FmodBackward1", torch.fmod, lambda d: (rand(7, 13, dtype=d), away_from_zero(7, 1, dtype=d))),
+    Case(
+        "fmod_nc_negative",
+        "FmodBackward1",
+        lambda x, y: torch.fmod(x * 3, y),
+        lambda d: (rand(7, 13, dtype=d, noncontiguous=True), away_from_zero(7, 13, dtype=d, noncontiguous=True)),
+    ),
+    Case("fmod_exact_quotients", "FmodBackward1", torch.fmod, exact_quotients, NO_HALF),
+    Case("fmax_broadcast_nc", "FmaxBackward0", torch.fmax, lambda d: (rand(7, 13, dtype=d, noncontiguous=True), rand(13, dtype=d))),
+    Case("fmax_nans_and_ties", "FmaxBackward0", torch.fmax, nan_pairs),
+    Case("fmax_integer_ties", "FmaxBackward0", torch.fmax, lambda d: (integers(7, 13, dtype=d), integers(7, 13, dtype=d))),
+    Case("fmin_broadcast", "FminBackward0", torch.fmin, lambda d: (rand(7, 1, dtype=d), rand(7, 13, dtype=d, noncontiguous=True))),
+    Case("fmin_nans_and_ties", "FminBackward0", torch.fmin, nan_pairs),
+    Case(
+        "fmin_nan_rows",
+        "FminBackward0",
+        torch.fmin,
+        lambda d: (with_values(5, 9, dtype=d, at=((0, 1), (2,), (4, 8))), with_values(5, 9, dtype=d, at=((0, 1), (1, 3)))),
+    ),
+    Case("i0_nc", "I0Backward0", torch.i0, lambda d: (rand(33, 65, dtype=d, noncontiguous=True),)),
+    Case("i0_wide_range", "I0Backward0", lambda x: torch.special.i0(x * 4), lambda d: (rand(7, 13, dtype=d),)),
+    Case("i0_zeros", "I0Backward0", torch.i0, lambda d: (with_values(2, 5, dtype=d, at=((0, 0), (1, 1)), value=0.0),)),
+    Case(
+        "nanmedian_dim_nans",
+        "NanmedianBackward1",
+        lambda x: x.nanmedian(1)[0],
+        lambda d: (with_values(7, 13, dtype=d, at=((0, 3), (2, 5), (2, 6), (4,))),),
+    ),
+    Case("nanmedian_dim0_keepdim_nc", "NanmedianBackward1", lambda x: x.nanmedian(0, keepdim=True)[0], make(leaf(7, 13, nc=True))),
+    Case("nanmedian_dim_ties", "NanmedianBackward1", lambda x: x.nanmedian(-1)[0], lambda d: (integers(5, 3, 9, dtype=d),)),
+    Case(
+        "nanmedian_all_nans_ties",
+        "NanmedianBackward0",
+        torch.nanmedian,
+        lambda d: (with_values(7, 13, dtype=d, at=((0, 3), (2,)), maker=integers),),
+    ),
+    Case("nanmedian_all_nan", "NanmedianBackward0", torch.nanmedian, lambda d: (with_values(3, 4, dtype=d, at=((0,), (1,), (2,))),)),
+    Case("median_dim_ties", "MedianBackward1", lambda x: x.median(1)[0], lambda d: (integers(7, 13, dtype=d),)),
+    Case("median_all_ties", "MedianBackward0", torch.median, lambda d: (integers(7, 13, dtype=d, noncontiguous=True),)),
+    Case("dist_p2_broadcast", "DistBackward0", torch.dist, lambda d: (rand(7, 13, dtype=d), rand(13, dtype=d))),
+    Case(
+        "dist_p1_nc",
+        "DistBackward0",
+        lambda x, y: torch.dist(x, y, 1),
+        lambda d: (rand(7, 13, dtype=d, noncontiguous=True), rand(7, 13, dtype=d)),
+    ),
+    Case("dist_p3", "DistBackward0", lambda x, y: torch.dist(x, y, 3), lambda d: (rand(7, 13, dtype=d), rand(7, 1, dtype=d))),
+    Case("dist_p1_5", "DistBackward0", lambda x, y: torch.dist(x, y, 1.5), lambda d: (rand(5, 9, dtype=d), rand(5, 9, dtype=d))),
+    Case(
+        "dist_p0_5",
+        "DistBackward0",
+        lambda x, y: torch.dist(x, y, 0.5),
+        lambda d: (rand(5, 9, dtype=d), away_from_zero(5, 9, dtype=d, low=3.0)),
+    ),
+    Case("dist_inf_ties", "DistBackward0", lambda x, y: torch.dist(x, y, INF), lambda d: (integers(7, 13, dtype=d), integers(13, dtype=d))),
+    Case("dist_p0_self_only", "DistBackward0", lambda x, y: torch.dist(x, y, 0) + x.sum(), make(leaf(7, 13), const(7, 13))),
+    Case("dist_p2_zero_distance", "DistBackward0", lambda x: torch.dist(x, x.detach().clone()), make(leaf(7, 13))),
+    Case("cholesky_inverse_lower", "CholeskyInverseBackward0", torch.cholesky_inverse, lambda d: (spd_factor(7, dtype=d),), NO_HALF),
+    Case(
+        "cholesky_inverse_upper_nc",
+        "CholeskyInverseBackward0",
+        lambda u: torch.cholesky_inverse(u, upper=True),
+        lambda d: (spd_factor(9, dtype=d, upper=True, noncontiguous=True),),
+        NO_HALF,
+    ),
+    Case("cholesky_inverse_batched", "CholeskyInverseBackward0", torch.cholesky_inverse, lambda d: (spd_factor(5, 3, dtype=d),), NO_HALF),
+]
+
+ALL = SELECTION + SCANS + SPECIAL + SCATTER_REDUCE + LAYERS + RECURRENT + TAIL
 
 
 @pytest.mark.parametrize("case, dtype", params(ALL))
@@ -512,3 +641,16 @@ def test_sparse_embedding_bag_runs_opaque_with_its_reason():
     out = F.embedding_bag(BAG_INDICES, w, BAG_OFFSETS, sparse=True)
     report = gpuautograd.explain([out], [torch.ones_like(out)])
     assert report.opaque_nodes and "sparse" in str(report)
+
+
+def test_dist_p0_with_both_sides_requiring_grad_raises_as_torch_does():
+    # torch's node negates the undefined gradient of p = 0 for `other`; the rule declines, the
+    # node runs itself and raises the same error
+    x, y = rand(7, 13), rand(7, 13)
+    out = torch.dist(x, y, 0)
+    assert gpuautograd.explain([out], [torch.ones_like(out)]).opaque_nodes
+    with pytest.raises(RuntimeError) as theirs:
+        torch.autograd.grad(out, [x, y], retain_graph=True)
+    with pytest.raises(RuntimeError) as ours:
+        gpuautograd.grad([out], [x, y])
+    assert str(ours.value).splitlines()[0] == str(theirs.value).splitlines()[0]

@@ -84,9 +84,19 @@ def _avg_pool2d_backward(grad, input, *, kernel_size, stride, padding, ceil_mode
     return aten.avg_pool2d_backward(grad, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
 
+@register_op("avg_pool3d_backward", EXTERN)
+def _avg_pool3d_backward(grad, input, *, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return aten.avg_pool3d_backward(grad, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
 @register_op("adaptive_avg_pool2d_backward", EXTERN)
 def _adaptive_avg_pool2d_backward(grad, input):
     return aten._adaptive_avg_pool2d_backward(grad, input)
+
+
+@register_op("adaptive_avg_pool3d_backward", EXTERN)
+def _adaptive_avg_pool3d_backward(grad, input):
+    return aten._adaptive_avg_pool3d_backward(grad, input)
 
 
 @register_op("im2col", EXTERN)

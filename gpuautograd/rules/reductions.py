@@ -67,7 +67,7 @@ def mean_dim_backward(b, node, grads):
     return [_sum_backward(b, g, sizes, dim, node.saved("keepdim"))]
 
 
-@register("MaxBackward0", "MinBackward0", "MedianBackward1", "NanmedianBackward1")
+@register("MaxBackward0", "MinBackward0", "MedianBackward1", "NanmedianBackward1", "KthvalueBackward0", "ModeBackward0")
 def value_selecting_backward(b, node, grads):
     # self: value_selecting_reduction_backward(grad, dim, indices, sizes, keepdim)
     #     = zeros(sizes).scatter(dim, indices, grad), indices and grad unsqueezed unless keepdim

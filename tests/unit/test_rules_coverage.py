@@ -592,6 +592,116 @@ TAIL = [
     Case("cholesky_inverse_batched", "CholeskyInverseBackward0", torch.cholesky_inverse, lambda d: (spd_factor(5, 3, dtype=d),), NO_HALF),
 ]
 
+
+# -- more of the tail: fractional max pooling, 3-d average pooling, kthvalue / mode, ldexp,
+# xlog1py, nextafter, take / put ------------------------------------------------------------------
+
+
+def _fractional(spatial, out, **kw):
+    pool = F.fractional_max_pool2d if spatial == 2 else F.fractional_max_pool3d
+    return lambda x: pool(x, 2, output_size=out, **kw) * 2
+
+
+def _exponents(*shape, dtype=torch.float64):
+    """Whole-number exponents in [-4, 4] as a float leaf, some of them negative."""
+    return (rand_index(9, *shape, seed=4) - 4).to(dtype).requires_grad_()
+
+
+def _next_pairs(dtype):
+    """nextafter operands, equal at a few positions (where self gets no gradient)."""
+    x = rand(5, 9, dtype=dtype, requires_grad=False)
+    y = rand(5, 9, dtype=dtype, requires_grad=False)
+    y[0, :3] = x[0, :3]
+    y[3, 4] = x[3, 4]
+    return x.requires_grad_(), y.requires_grad_()
+
+
+def _xlog1py_edges(dtype):
+    """xlog1py where self is 0 (with other at, below and above -1), other at -1, and ordinary values."""
+    x = torch.tensor([0.0, 0.0, 0.0, 1.5, -2.0, 0.3, 2.0], dtype=dtype)
+    y = torch.tensor([-1.0, -1.5, 0.7, -1.0, 1e-10, 3.0, -0.5], dtype=dtype)
+    return x.requires_grad_(), y.requires_grad_()
+
+
+TAIL_MORE = [
+    Case("fractional_max_pool2d_nc", "FractionalMaxPool2DBackward0", _fractional(2, (4, 5)), make(leaf(2, 3, 9, 11, nc=True))),
+    Case("fractional_max_pool2d_unbatched", "FractionalMaxPool2DBackward0", _fractional(2, (3, 3)), make(leaf(3, 7, 7))),
+    Case(
+        "fractional_max_pool2d_ratio",
+        "FractionalMaxPool2DBackward0",
+        lambda x: F.fractional_max_pool2d(x, 3, output_ratio=(0.5, 0.5)),
+        make(leaf(1, 2, 13, 9)),
+    ),
+    Case("fractional_max_pool3d", "FractionalMaxPool3DBackward0", _fractional(3, (3, 4, 3)), make(leaf(2, 2, 7, 9, 5))),
+    Case("fractional_max_pool3d_unbatched_nc", "FractionalMaxPool3DBackward0", _fractional(3, (2, 2, 3)), make(leaf(3, 5, 5, 7, nc=True))),
+    Case(
+        "avg_pool3d", "AvgPool3DBackward0", lambda x: F.avg_pool3d(x, 3, stride=2, padding=1), make(leaf(2, 3, 7, 9, 5, nc=True)), NO_HALF
+    ),
+    Case(
+        "avg_pool3d_ceil_divisor",
+        "AvgPool3DBackward0",
+        lambda x: F.avg_pool3d(x, (2, 3, 2), ceil_mode=True, count_include_pad=False, divisor_override=5),
+        make(leaf(3, 7, 5, 9)),
+        NO_HALF,
+    ),
+    Case(
+        "adaptive_avg_pool3d",
+        "AdaptiveAvgPool3DBackward0",
+        lambda x: F.adaptive_avg_pool3d(x, (3, 4, 2)),
+        make(leaf(2, 3, 7, 9, 5, nc=True)),
+    ),
+    Case("adaptive_avg_pool3d_unbatched", "AdaptiveAvgPool3DBackward0", lambda x: F.adaptive_avg_pool3d(x, 5), make(leaf(2, 7, 3, 9))),
+    Case("kthvalue_rows_nc", "KthvalueBackward0", lambda x: x.kthvalue(4, 1)[0], make(leaf(7, 13, nc=True))),
+    Case(
+        "kthvalue_dim0_keepdim_ties", "KthvalueBackward0", lambda x: x.kthvalue(2, 0, keepdim=True)[0], lambda d: (integers(9, 5, dtype=d),)
+    ),
+    Case("kthvalue_0d", "KthvalueBackward0", lambda x: x.kthvalue(1)[0], make(leaf())),
+    Case("mode_ties", "ModeBackward0", lambda x: x.mode(-1)[0], lambda d: (integers(5, 3, 11, dtype=d, high=3),)),
+    Case(
+        "mode_dim0_keepdim_nc",
+        "ModeBackward0",
+        lambda x: x.mode(0, keepdim=True)[0],
+        lambda d: (integers(7, 13, dtype=d, noncontiguous=True),),
+    ),
+    Case(
+        "ldexp_broadcast_nc",
+        "LdexpBackward0",
+        torch.ldexp,
+        lambda d: (rand(7, 13, dtype=d, noncontiguous=True), _exponents(13, dtype=d)),
+    ),
+    Case("ldexp_self_only", "LdexpBackward0", lambda x, e: torch.ldexp(x, e), make(leaf(5, 9), fixed(torch.arange(-4.0, 5.0)))),
+    Case(
+        "xlog1py_broadcast_nc",
+        "SpecialXlog1PyBackward0",
+        torch.special.xlog1py,
+        lambda d: (rand(7, 13, dtype=d, noncontiguous=True), positive(13, dtype=d)),
+    ),
+    Case("xlog1py_edges", "SpecialXlog1PyBackward0", torch.special.xlog1py, _xlog1py_edges, NO_HALF),
+    Case("xlog1py_small_other", "SpecialXlog1PyBackward0", lambda x, y: torch.special.xlog1py(x, y * 1e-9), make(leaf(7, 13), leaf(7, 13))),
+    Case("nextafter_ties", "NextafterBackward0", torch.nextafter, _next_pairs, NO_HALF),
+    Case(
+        "nextafter_broadcast_nc",
+        "NextafterBackward0",
+        torch.nextafter,
+        lambda d: (rand(7, 13, dtype=d, noncontiguous=True), rand(13, dtype=d)),
+        NO_HALF,
+    ),
+    Case("take_repeats_negative", "TakeBackward0", lambda x, i: x.take(i), make(leaf(7, 13, nc=True), fixed(idx(0, 5, 5, -1, 90, -91, 5)))),
+    Case("take_2d_index", "TakeBackward0", lambda x, i: x.take(i) * 3, make(leaf(3, 5, 7), fixed(rand_index(105, 4, 6)))),
+    Case("take_0d", "TakeBackward0", lambda x, i: x.take(i), make(leaf(), fixed(idx(0, 0, -1)))),
+    Case("put_overwrite_nc", "PutBackward0", lambda x, i, s: x.put(i, s), make(leaf(7, 13, nc=True), fixed(idx(3, -1, 50, 0)), leaf(4))),
+    Case(
+        "put_accumulate_repeats",
+        "PutBackward0",
+        lambda x, i, s: x.put(i, s, accumulate=True),
+        make(leaf(5, 9), fixed(rand_index(45, 2, 6)), leaf(2, 6)),
+    ),
+    Case("put_self_only", "PutBackward0", lambda x, i, s: x.put(i, s), make(leaf(5, 9), fixed(idx(1, 2, 2)), const(3))),
+    Case("put_source_only", "PutBackward0", lambda x, i, s: x.put(i, s) * 2, make(const(5, 9), fixed(idx(44, 0, 7)), leaf(3))),
+]
+
+TAIL += TAIL_MORE
+
 ALL = SELECTION + SCANS + SPECIAL + SCATTER_REDUCE + LAYERS + RECURRENT + TAIL
 
 
@@ -654,3 +764,14 @@ def test_dist_p0_with_both_sides_requiring_grad_raises_as_torch_does():
     with pytest.raises(RuntimeError) as ours:
         gpuautograd.grad([out], [x, y])
     assert str(ours.value).splitlines()[0] == str(theirs.value).splitlines()[0]
+
+
+def test_ldexp_with_an_integer_exponent_runs_the_node_and_matches_torch():
+    # torch computes 2 ** other in integers, so negative exponents give a zero gradient; the rule
+    # declines rather than reproduce that, and the node's own backward gives torch's values
+    x, e = rand(7, 5), torch.tensor([-3, -1, 0, 2, 5])
+    out = torch.ldexp(x, e)
+    assert gpuautograd.explain([out], [torch.ones_like(out)]).opaque_nodes
+    (ours,) = gpuautograd.grad([out], [x], [torch.ones_like(out)], retain_graph=True)
+    (theirs,) = torch.autograd.grad([out], [x], [torch.ones_like(out)])
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

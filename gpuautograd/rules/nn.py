@@ -366,3 +366,35 @@ def segment_reduce_backward(b, node, grads):
         initial=node.saved("initial"),
     )
     return [out]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairwise distances and margin losses
+
+
+@register("PdistBackward0")
+def pdist_backward(b, node, grads):
+    # self: _pdist_backward(grad, self, p, result)
+    return [b.emit("pdist_backward", grads[0], node.saved("self"), node.saved("result"), p=node.saved("p"))]
+
+
+@register("MultiMarginLossBackward0")
+def multi_margin_loss_backward(b, node, grads):
+    # self: multi_margin_loss_backward(grad, self, target, p, margin, weight, reduction);  target: non_differentiable
+    out = emit_optional(
+        b,
+        "multi_margin_loss_backward",
+        [grads[0], node.saved("self"), node.saved("target")],
+        [_saved_or_none(node, "weight")],
+        p=node.saved("p"),
+        margin=node.saved("margin"),
+        reduction=node.saved("reduction"),
+    )
+    return [out]
+
+
+@register("MultilabelMarginLossBackward0")
+def multilabel_margin_loss_backward(b, node, grads):
+    # self: multilabel_margin_loss_backward(grad, self, target, reduction, is_target);  target: non_differentiable
+    saved = [node.saved(k) for k in ("self", "target", "is_target")]
+    return [b.emit("multilabel_margin_loss_backward", grads[0], *saved, reduction=node.saved("reduction"))]

@@ -692,6 +692,48 @@ TAIL_MORE = [
     Case("put_source_only", "PutBackward0", lambda x, i, s: x.put(i, s) * 2, make(const(5, 9), fixed(idx(44, 0, 7)), leaf(3))),
 ]
 
+TAIL_MORE += [
+    Case("pdist_p2", "PdistBackward0", F.pdist, make(leaf(7, 13, nc=True)), NO_HALF),
+    Case("pdist_p1_5", "PdistBackward0", lambda x: F.pdist(x, 1.5), make(leaf(9, 5)), NO_HALF),
+    Case("pdist_p1", "PdistBackward0", lambda x: F.pdist(x, 1) * 2, make(leaf(5, 3)), NO_HALF),
+    Case("pdist_inf", "PdistBackward0", lambda x: F.pdist(x, INF), make(leaf(6, 7)), NO_HALF),
+    Case(
+        "multi_margin_loss_nc",
+        "MultiMarginLossBackward0",
+        lambda x, t: F.multi_margin_loss(x, t),
+        make(leaf(7, 13, nc=True), fixed(rand_index(13, 7, seed=5))),
+        NO_HALF,
+    ),
+    Case(
+        "multi_margin_loss_p2_weight_sum",
+        "MultiMarginLossBackward0",
+        lambda x, t, w: F.multi_margin_loss(x, t, p=2, margin=0.7, weight=w, reduction="sum"),
+        make(leaf(9, 5), fixed(rand_index(5, 9, seed=6)), const(5)),
+        NO_HALF,
+    ),
+    Case(
+        "multi_margin_loss_none_1d",
+        "MultiMarginLossBackward0",
+        lambda x, t: F.multi_margin_loss(x, t, reduction="none"),
+        make(leaf(11), fixed(idx(4))),
+        NO_HALF,
+    ),
+    Case(
+        "multilabel_margin_loss",
+        "MultilabelMarginLossBackward0",
+        lambda x, t: F.multilabel_margin_loss(x, t),
+        make(leaf(5, 7, nc=True), fixed(torch.tensor([[3, 0, -1, 1, 1, 1, 1]] * 2 + [[6, 5, 4, -1, 0, 0, 0]] * 3))),
+        NO_HALF,
+    ),
+    Case(
+        "multilabel_margin_loss_none_1d",
+        "MultilabelMarginLossBackward0",
+        lambda x, t: F.multilabel_margin_loss(x, t, reduction="none"),
+        make(leaf(7), fixed(idx(2, 5, -1, 0, 0, 0, 0))),
+        NO_HALF,
+    ),
+]
+
 # torch 2.11 gives nextafter no derivative (its node saves nothing and raises); 2.13 does
 NEXTAFTER_DIFFERENTIABLE = hasattr(torch.nextafter(torch.zeros(1, requires_grad=True), torch.ones(1)).grad_fn, "_saved_self")
 if NEXTAFTER_DIFFERENTIABLE:

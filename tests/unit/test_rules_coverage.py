@@ -734,6 +734,27 @@ TAIL_MORE += [
     ),
 ]
 
+# torch 2.11 gives aminmax no derivative (a NotImplemented node); 2.13 does
+AMINMAX_DIFFERENTIABLE = torch.aminmax(torch.zeros(2, requires_grad=True))[0].grad_fn.name() == "AminmaxBackward0"
+if AMINMAX_DIFFERENTIABLE:
+    TAIL_MORE += [
+        Case("aminmax_dim_ties", "AminmaxBackward0", lambda x: sum(torch.aminmax(x, dim=1)), lambda d: (integers(7, 13, dtype=d),)),
+        Case(
+            "aminmax_all_ties_nc",
+            "AminmaxBackward0",
+            lambda x: sum(torch.aminmax(x)),
+            lambda d: (integers(5, 9, dtype=d, noncontiguous=True),),
+        ),
+        Case(
+            "aminmax_keepdim_max_only",
+            "AminmaxBackward0",
+            lambda x: torch.aminmax(x, dim=0, keepdim=True)[1] * 3,
+            make(leaf(7, 13, nc=True)),
+        ),
+        Case("aminmax_min_only_3d", "AminmaxBackward0", lambda x: torch.aminmax(x, dim=-1)[0], make(leaf(3, 5, 7))),
+        Case("aminmax_0d", "AminmaxBackward0", lambda x: sum(torch.aminmax(x)), make(leaf())),
+    ]
+
 # torch 2.11 gives nextafter no derivative (its node saves nothing and raises); 2.13 does
 NEXTAFTER_DIFFERENTIABLE = hasattr(torch.nextafter(torch.zeros(1, requires_grad=True), torch.ones(1)).grad_fn, "_saved_self")
 if NEXTAFTER_DIFFERENTIABLE:

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gpuautograd
+from gpuautograd.rules.shape_ops import _trace_backward_fills_tall_matrices_past_the_diagonal
 from tests.helpers import Case, check_grads, const, fixed, idx, leaf, make, params, rand, run_case
 from tests.unit.test_rules_math import INF, with_zeros
 from tests.unit.test_rules_pointwise import integers, positive
@@ -755,6 +756,18 @@ if AMINMAX_DIFFERENTIABLE:
         Case("aminmax_0d", "AminmaxBackward0", lambda x: sum(torch.aminmax(x)), make(leaf())),
     ]
 
+# torch 2.11 has no bfloat16 trace on the CPU, and its trace backward fills a tall matrix past the
+# diagonal (the rule declines there; test below)
+TRACE_TALL_EXACT = not _trace_backward_fills_tall_matrices_past_the_diagonal()
+TAIL_MORE += [
+    Case("trace_wide_nc", "TraceBackward0", lambda x: x.trace() * 3, make(leaf(7, 13, nc=True)), NO_HALF),
+    Case("trace_one_by_one", "TraceBackward0", torch.trace, make(leaf(1, 1)), NO_HALF),
+    Case("trace_square_sum", "TraceBackward0", lambda x: x.trace() + x.sum(), make(leaf(5, 5)), NO_HALF),
+    Case("trace_empty", "TraceBackward0", lambda x: x.trace() + x.sum(), make(leaf(0, 3)), NO_HALF),
+]
+if TRACE_TALL_EXACT:
+    TAIL_MORE.append(Case("trace_tall", "TraceBackward0", torch.trace, make(leaf(13, 7)), NO_HALF))
+
 # torch 2.11 gives nextafter no derivative (its node saves nothing and raises); 2.13 does
 NEXTAFTER_DIFFERENTIABLE = hasattr(torch.nextafter(torch.zeros(1, requires_grad=True), torch.ones(1)).grad_fn, "_saved_self")
 if NEXTAFTER_DIFFERENTIABLE:
@@ -855,3 +868,13 @@ def test_nextafter_without_a_derivative_raises_as_torch_does():
     with pytest.raises(RuntimeError) as ours:
         gpuautograd.grad(out.sum(), [x, y])
     assert str(ours.value).splitlines()[0] == str(theirs.value).splitlines()[0]
+
+
+@pytest.mark.skipif(TRACE_TALL_EXACT, reason="this torch's trace backward is the diagonal alone (the table covers tall inputs)")
+def test_trace_of_a_tall_matrix_runs_the_node_where_torch_fills_past_the_diagonal():
+    x = rand(13, 7)
+    out = x.trace()
+    assert gpuautograd.explain([out], [torch.ones_like(out)]).opaque_nodes
+    (ours,) = gpuautograd.grad([out], [x], retain_graph=True)
+    (theirs,) = torch.autograd.grad([out], [x])
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

@@ -485,3 +485,14 @@ def nextafter_backward(b, node, grads):
     x, y = node.saved("self"), node.saved("other")
     gs = b.where(b.ne(x, y), grads[0], 0.0) if node.needs(0) else None
     return [gs, zeros_for(b, node, 1) if node.needs(1) else None]
+
+
+@register("LogitBackward0")
+def logit_backward(b, node, grads):
+    # self: eps ? where(lo <= self <= hi, grad / (self * (1 - self)), 0)      (lo = eps, hi = 1 - eps)
+    #           : where(0 <= self <= 1, grad / (self * (1 - self)), nan)
+    g, x = opmath(b, grads[0]), opmath(b, node.saved("self"))
+    eps = node.saved("eps")
+    lo, hi, outside = (0.0, 1.0, math.nan) if eps is None else (eps, 1.0 - eps, 0.0)
+    inside = b.logical_and(b.ge(x, lo), b.le(x, hi))
+    return [b.where(inside, b.div(g, b.mul(x, b.sub(1.0, x))), outside)]

@@ -756,6 +756,19 @@ if AMINMAX_DIFFERENTIABLE:
         Case("aminmax_0d", "AminmaxBackward0", lambda x: sum(torch.aminmax(x)), make(leaf())),
     ]
 
+
+def _logit_edges(dtype):
+    """logit inputs at 0, 1, the eps = 0.25 bounds, outside [0, 1] and in between."""
+    return (torch.tensor([-0.1, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.2], dtype=dtype).requires_grad_(),)
+
+
+TAIL_MORE += [
+    Case("logit_nc", "LogitBackward0", torch.logit, lambda d: (positive(7, 13, dtype=d, low=0.05, noncontiguous=True) / 2.2,)),
+    Case("logit_edges", "LogitBackward0", torch.logit, _logit_edges),
+    Case("logit_eps_edges", "LogitBackward0", lambda x: torch.logit(x, 0.25), _logit_edges),
+    Case("logit_eps_small", "LogitBackward0", lambda x: torch.logit(x * 3, 1e-6), make(leaf(5, 9))),
+]
+
 # torch 2.11 has no bfloat16 trace on the CPU, and its trace backward fills a tall matrix past the
 # diagonal (the rule declines there; test below)
 TRACE_TALL_EXACT = not _trace_backward_fills_tall_matrices_past_the_diagonal()

@@ -84,9 +84,19 @@ def _avg_pool2d_backward(grad, input, *, kernel_size, stride, padding, ceil_mode
     return aten.avg_pool2d_backward(grad, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
 
+@register_op("avg_pool3d_backward", EXTERN)
+def _avg_pool3d_backward(grad, input, *, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return aten.avg_pool3d_backward(grad, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
 @register_op("adaptive_avg_pool2d_backward", EXTERN)
 def _adaptive_avg_pool2d_backward(grad, input):
     return aten._adaptive_avg_pool2d_backward(grad, input)
+
+
+@register_op("adaptive_avg_pool3d_backward", EXTERN)
+def _adaptive_avg_pool3d_backward(grad, input):
+    return aten._adaptive_avg_pool3d_backward(grad, input)
 
 
 @register_op("im2col", EXTERN)
@@ -213,8 +223,9 @@ def _upsample_backward(grad, *, kernel, output_size, input_size, align_corners, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Sampling and segment reductions (nn rules): data-dependent gathers whose backward scatters
-# into positions only the library kernel computes, so one call beats any fusion.
+# Sampling, segment reductions, pairwise distances and margin losses (nn rules): data-dependent
+# gathers, or pairs and classes chosen per element, whose backward scatters into positions only
+# the library kernel computes, so one call beats any fusion.
 
 
 @register_op("grid_sampler_backward", EXTERN)
@@ -222,6 +233,28 @@ def _grid_sampler_backward(grad, input, grid, *, spatial, interpolation_mode, pa
     """`spatial` (2 or 3) picks aten's grid_sampler_2d_backward or grid_sampler_3d_backward."""
     kernel = {2: aten.grid_sampler_2d_backward, 3: aten.grid_sampler_3d_backward}[spatial]
     return kernel(grad, input, grid, interpolation_mode, padding_mode, align_corners, list(output_mask))
+
+
+@register_op("pdist_backward", EXTERN)
+def _pdist_backward(grad, input, result, *, p):
+    return aten._pdist_backward(grad, input, p, result)
+
+
+def _like_input(ts, attrs):
+    """The gradient of the input: its type (the margin losses' kernels have no meta version)."""
+    return [ts[1]]
+
+
+@register_op("multi_margin_loss_backward", EXTERN, _like_input)
+def _multi_margin_loss_backward(grad, input, target, *weight, present, p, margin, reduction):
+    """`weight` holds the class weights when present."""
+    (w,) = _fill_absent(weight, present)
+    return aten.multi_margin_loss_backward(grad, input, target, p, margin, w, reduction)
+
+
+@register_op("multilabel_margin_loss_backward", EXTERN, _like_input)
+def _multilabel_margin_loss_backward(grad, input, target, is_target, *, reduction):
+    return aten.multilabel_margin_loss_backward(grad, input, target, reduction, is_target)
 
 
 @register_op("segment_reduce_backward", EXTERN)

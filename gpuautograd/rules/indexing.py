@@ -89,3 +89,31 @@ def _zero_at(b, grad, dim: int, index):
     """grad with the positions that scatter overwrote set to 0: they never reach the output."""
     zeros = b.full(index.shape, 0, grad.dtype, grad.device)
     return b.scatter(grad, dim, index, zeros)
+
+
+def _flat(b, x):
+    return b.reshape(x, (-1,))
+
+
+@register("TakeBackward0")
+def take_backward(b, node, grads):
+    # self: take_backward(grad, self, index) = zeros_like(self).put_(index, grad, accumulate=True)
+    grad, self_ = grads[0], node.saved("self")
+    base = b.full((self_.type.numel(),), 0, grad.dtype, grad.device)
+    return [b.reshape(b.index_put(base, [_flat(b, node.saved("index"))], _flat(b, grad), accumulate=True), self_.shape)]
+
+
+@register("PutBackward0")
+def put_backward(b, node, grads):
+    # self: accumulate ? grad : grad.put(index, zeros_like(source), false)
+    # source: grad.take(index).reshape_as(source)
+    grad, index, source = grads[0], _flat(b, node.saved("index")), node.saved("source")
+    self_grad = source_grad = None
+    if node.needs(0):
+        self_grad = grad
+        if not node.saved("accumulate"):  # overwritten elements never reach the output
+            zero = b.full((), 0, grad.dtype, grad.device)
+            self_grad = b.reshape(b.index_put(_flat(b, grad), [index], zero, accumulate=False), grad.shape)
+    if node.needs(1):  # `index` is not differentiable and has no edge
+        source_grad = b.reshape(b.index(_flat(b, grad), [index]), source.shape)
+    return [self_grad, source_grad]

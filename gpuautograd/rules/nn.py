@@ -119,8 +119,10 @@ def _max_pool_rule(spatial: int):
     return rule
 
 
-register("MaxPool2DWithIndicesBackward0", "AdaptiveMaxPool2DBackward0")(_max_pool_rule(2))
-register("MaxPool3DWithIndicesBackward0", "AdaptiveMaxPool3DBackward0")(_max_pool_rule(3))
+# fractional_max_pool{2,3}d_backward(grad, self, kernel_size, output_size, result1): the same
+# scatter-add, its indices being flat positions within each input plane as max pooling's are
+register("MaxPool2DWithIndicesBackward0", "AdaptiveMaxPool2DBackward0", "FractionalMaxPool2DBackward0")(_max_pool_rule(2))
+register("MaxPool3DWithIndicesBackward0", "AdaptiveMaxPool3DBackward0", "FractionalMaxPool3DBackward0")(_max_pool_rule(3))
 
 
 def _max_pool_backward_rule(spatial: int):
@@ -159,6 +161,30 @@ register("MaxUnpool2DBackward0")(_max_unpool_rule(2))
 register("MaxUnpool3DBackward0")(_max_unpool_rule(3))
 
 
+def _avg_pool_rule(spatial: int):
+    def rule(b, node, grads):
+        # self: avg_pool{2,3}d_backward(grad, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        (grad,) = grads
+        return [
+            b.emit(
+                f"avg_pool{spatial}d_backward",
+                grad,
+                node.saved("self"),
+                kernel_size=tuple(node.saved("kernel_size")),
+                stride=tuple(node.saved("stride")),
+                padding=tuple(node.saved("padding")),
+                ceil_mode=node.saved("ceil_mode"),
+                count_include_pad=node.saved("count_include_pad"),
+                divisor_override=node.saved("divisor_override"),
+            )
+        ]
+
+    return rule
+
+
+register("AvgPool3DBackward0")(_avg_pool_rule(3))
+
+
 @register("AvgPool2DBackward0")
 def avg_pool2d_backward(b, node, grads):
     # self: avg_pool2d_backward(grad, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
@@ -182,6 +208,13 @@ def adaptive_avg_pool2d_backward(b, node, grads):
     # self: _adaptive_avg_pool2d_backward(grad, self)
     (grad,) = grads
     return [b.emit("adaptive_avg_pool2d_backward", grad, node.saved("self"))]
+
+
+@register("AdaptiveAvgPool3DBackward0")
+def adaptive_avg_pool3d_backward(b, node, grads):
+    # self: _adaptive_avg_pool3d_backward(grad, self)
+    (grad,) = grads
+    return [b.emit("adaptive_avg_pool3d_backward", grad, node.saved("self"))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,3 +366,35 @@ def segment_reduce_backward(b, node, grads):
         initial=node.saved("initial"),
     )
     return [out]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairwise distances and margin losses
+
+
+@register("PdistBackward0")
+def pdist_backward(b, node, grads):
+    # self: _pdist_backward(grad, self, p, result)
+    return [b.emit("pdist_backward", grads[0], node.saved("self"), node.saved("result"), p=node.saved("p"))]
+
+
+@register("MultiMarginLossBackward0")
+def multi_margin_loss_backward(b, node, grads):
+    # self: multi_margin_loss_backward(grad, self, target, p, margin, weight, reduction);  target: non_differentiable
+    out = emit_optional(
+        b,
+        "multi_margin_loss_backward",
+        [grads[0], node.saved("self"), node.saved("target")],
+        [_saved_or_none(node, "weight")],
+        p=node.saved("p"),
+        margin=node.saved("margin"),
+        reduction=node.saved("reduction"),
+    )
+    return [out]
+
+
+@register("MultilabelMarginLossBackward0")
+def multilabel_margin_loss_backward(b, node, grads):
+    # self: multilabel_margin_loss_backward(grad, self, target, reduction, is_target);  target: non_differentiable
+    saved = [node.saved(k) for k in ("self", "target", "is_target")]
+    return [b.emit("multilabel_margin_loss_backward", grads[0], *saved, reduction=node.saved("reduction"))]

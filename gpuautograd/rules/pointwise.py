@@ -436,3 +436,63 @@ def to_copy_backward(b, node, grads):
     if expected is not None and g.device != expected.device:
         g = b.to_device(g, expected.device)
     return [g]
+
+
+@register("LdexpBackward0")
+def ldexp_backward(b, node, grads):
+    # self: grad * pow(2, other);  other: grad * result * M_LN2
+    other = node.saved("other")
+    if node.needs(0) and not other.dtype.is_floating_point:
+        # torch raises 2 to an integer `other` in integers, so a negative exponent gives a zero
+        # gradient there; the rule does not reproduce that truncation
+        raise NotImplementedError("ldexp with an integer exponent: torch's integer power 2 ** other truncates negative exponents")
+    g = opmath(b, grads[0])
+    gs = b.mul(g, b.pow(2.0, opmath(b, other))) if node.needs(0) else None
+    go = b.mul(b.mul(g, opmath(b, node.saved("result"))), math.log(2.0)) if node.needs(1) else None
+    return [gs, go]
+
+
+def _log1p(b, y):
+    """log(1 + y) to full precision from log alone: with u = 1 + y rounded, log(u) * y / (u - 1)
+    corrects the rounding of u (Goldberg); u == 1 gives y, u == inf gives inf."""
+    u = b.add(y, 1.0)
+    corrected = b.div(b.mul(b.log(u), y), b.sub(u, 1.0))
+    return b.where(b.eq(u, 1.0), y, b.where(b.eq(u, math.inf), u, corrected))
+
+
+@register("SpecialXlog1PyBackward0")
+def xlog1py_backward(b, node, grads):
+    # self: xlog1py(grad, other).masked_fill((self == 0.) & (other <= -1.), 0.)
+    # other: grad * self / (other + 1)
+    g = opmath(b, grads[0])
+    x, y = opmath(b, node.saved("self")), opmath(b, node.saved("other"))
+    gs = go = None
+    if node.needs(0):
+        keep_zero = b.logical_and(b.eq(g, 0.0), b.eq(y, y))  # xlog1py(0, y) = 0 unless y is NaN
+        gs = b.where(keep_zero, 0.0, b.mul(g, _log1p(b, y)))
+        gs = b.where(b.logical_and(b.eq(x, 0.0), b.le(y, -1.0)), 0.0, gs)
+    if node.needs(1):
+        go = b.div(b.mul(g, x), b.add(y, 1.0))
+    return [gs, go]
+
+
+@register("NextafterBackward0")
+def nextafter_backward(b, node, grads):
+    # self: where(self != other, grad, 0);  other: zeros_like(other)
+    if not node.has_saved("self"):
+        # torch 2.11 has no derivative for nextafter: its node saves nothing and raises
+        raise NotImplementedError("this torch gives nextafter no derivative: the node runs and raises as eager does")
+    x, y = node.saved("self"), node.saved("other")
+    gs = b.where(b.ne(x, y), grads[0], 0.0) if node.needs(0) else None
+    return [gs, zeros_for(b, node, 1) if node.needs(1) else None]
+
+
+@register("LogitBackward0")
+def logit_backward(b, node, grads):
+    # self: eps ? where(lo <= self <= hi, grad / (self * (1 - self)), 0)      (lo = eps, hi = 1 - eps)
+    #           : where(0 <= self <= 1, grad / (self * (1 - self)), nan)
+    g, x = opmath(b, grads[0]), opmath(b, node.saved("self"))
+    eps = node.saved("eps")
+    lo, hi, outside = (0.0, 1.0, math.nan) if eps is None else (eps, 1.0 - eps, 0.0)
+    inside = b.logical_and(b.ge(x, lo), b.le(x, hi))
+    return [b.where(inside, b.div(g, b.mul(x, b.sub(1.0, x))), outside)]

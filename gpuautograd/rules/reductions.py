@@ -67,7 +67,7 @@ def mean_dim_backward(b, node, grads):
     return [_sum_backward(b, g, sizes, dim, node.saved("keepdim"))]
 
 
-@register("MaxBackward0", "MinBackward0", "MedianBackward1", "NanmedianBackward1")
+@register("MaxBackward0", "MinBackward0", "MedianBackward1", "NanmedianBackward1", "KthvalueBackward0", "ModeBackward0")
 def value_selecting_backward(b, node, grads):
     # self: value_selecting_reduction_backward(grad, dim, indices, sizes, keepdim)
     #     = zeros(sizes).scatter(dim, indices, grad), indices and grad unsqueezed unless keepdim
@@ -98,16 +98,34 @@ def evenly_distribute_backward(b, node, grads):
     return [b.where(mask, b.div(grads[0], count), 0)]
 
 
+def _scale_grad_by_count(b, grad, value, x, dims, keepdim):
+    """(restore(grad) / mask.sum(dims, keepdim=True)) * mask, with mask = (restore(value) == x)."""
+    g = restore_reduced_dims(b, grad, dims, keepdim)
+    mask = b.eq(restore_reduced_dims(b, value, dims, keepdim), x)
+    count = b.sum(b.cast(mask, torch.int64), dims, keepdim=True)
+    return b.mul(b.div(g, count), mask)
+
+
 @register("AmaxBackward0", "AminBackward0")
 def amax_backward(b, node, grads):
     # self: mask = (restore(result) == self); (restore(grad) / mask.sum(dim, keepdim=True)) * mask
     x = node.saved("self")
     dims = reduced_dims(node.saved("dim"), x.ndim)
+    return [_scale_grad_by_count(b, grads[0], node.saved("result"), x, dims, node.saved("keepdim"))]
+
+
+@register("AminmaxBackward0")
+def aminmax_backward(b, node, grads):
+    # self: aminmax_backward(self, dim, keepdim, grad_min, grad_max, min, max)
+    #     = scale_grad_by_count(restore(grad_min), restore(min) == self, dims) + the same for max
+    x = node.saved("self")
+    dim = node.saved("dim")
+    dims = tuple(range(x.ndim)) if dim is None else reduced_dims(dim, x.ndim)
     keepdim = node.saved("keepdim")
-    g = restore_reduced_dims(b, grads[0], dims, keepdim)
-    mask = b.eq(restore_reduced_dims(b, node.saved("result"), dims, keepdim), x)
-    count = b.sum(b.cast(mask, torch.int64), dims, keepdim=True)
-    return [b.mul(b.div(g, count), mask)]
+    terms = [_scale_grad_by_count(b, g, node.saved(v), x, dims, keepdim) for g, v in zip(grads, ("min", "max")) if g is not None]
+    if not terms:
+        return [None]
+    return [terms[0] if len(terms) == 1 else b.add(*terms)]
 
 
 @register("TopkBackward0", "SortBackward0", "SortBackward1")

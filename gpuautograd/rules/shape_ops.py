@@ -9,6 +9,7 @@ kernels are one library call each (`upsample_backward` in ir/extern_ops.py).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -262,6 +263,30 @@ def select_scatter_backward(b, node, grads):
     piece = b.select(grad, dim, index)
     self_grad = b.select_scatter(grad, _zeros(b, piece.shape, grad), dim, index) if node.needs(0) else None
     return [self_grad, piece if node.needs(1) else None]
+
+
+@functools.cache
+def _trace_backward_fills_tall_matrices_past_the_diagonal() -> bool:
+    """Whether this torch's trace_backward writes grad at every (m + 1)-th element of a tall
+    (n > m) matrix, past the diagonal (torch 2.11 does; 2.13 writes the diagonal only)."""
+    x = torch.zeros(3, 1, requires_grad=True)
+    (g,) = torch.autograd.grad(x.trace(), x)
+    return bool(g[1:].any())
+
+
+@register("TraceBackward0")
+def trace_backward(b, node, grads):
+    # self: trace_backward_symint(grad, self.sym_sizes()) = zeros(n * m) with grad at every
+    #       (m + 1)-th position (the main diagonal), viewed as (n, m)
+    grad = grads[0]
+    n, m = tuple(node.saved("self_sym_sizes"))
+    if n > m and _trace_backward_fills_tall_matrices_past_the_diagonal():
+        raise NotImplementedError("this torch's trace backward fills a tall matrix past its diagonal: the node runs as eager does")
+    k = min(n, m)
+    if k == 0:
+        return [_zeros(b, (n, m), grad)]
+    flat = b.slice_scatter(_zeros(b, (n * m,), grad), b.expand(grad, (k,)), 0, 0, (k - 1) * (m + 1) + 1, m + 1)
+    return [b.reshape(flat, (n, m))]
 
 
 @register("DiagEmbedBackward0")

@@ -79,6 +79,12 @@ def zoo():
     yield "grid_sample", F.grid_sample(x[None, None], grid, align_corners=False).pow(2).sum()
     yield "segment_reduce", torch.segment_reduce(x, "max", lengths=torch.tensor([2, 3])).pow(2).sum()
     yield "rounded_quotients", (torch.remainder(x, y.abs() + 0.5) + torch.fmod(x, y.abs() + 0.5) + torch.i0(x)).sum()
+    vol = _leaf(1, 2, 5, 7, 6)
+    yield "pool3d", (F.avg_pool3d(vol, 3, stride=2, padding=1).pow(2).sum() + F.adaptive_avg_pool3d(vol, (2, 3, 2)).exp().sum())
+    margins = F.multi_margin_loss(x, torch.tensor([0, 3, 6, 1, 1])) + F.multilabel_margin_loss(
+        y, torch.tensor([[2, 0, -1, 0, 0, 0, 0]] * 5)
+    )
+    yield "pdist_margins", F.pdist(x).sum() + margins
     yield "nll", F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, 3, 6, 1, 1]), ignore_index=1, weight=torch.rand(7, dtype=torch.float64))
 
 

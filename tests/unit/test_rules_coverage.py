@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gpuautograd
+from gpuautograd.rules.shape_ops import _trace_backward_fills_tall_matrices_past_the_diagonal
 from tests.helpers import Case, check_grads, const, fixed, idx, leaf, make, params, rand, run_case
 from tests.unit.test_rules_math import INF, with_zeros
 from tests.unit.test_rules_pointwise import integers, positive
@@ -592,6 +593,210 @@ TAIL = [
     Case("cholesky_inverse_batched", "CholeskyInverseBackward0", torch.cholesky_inverse, lambda d: (spd_factor(5, 3, dtype=d),), NO_HALF),
 ]
 
+
+# -- more of the tail: fractional max pooling, 3-d average pooling, kthvalue / mode, ldexp,
+# xlog1py, nextafter, take / put ------------------------------------------------------------------
+
+
+def _fractional(spatial, out, **kw):
+    pool = F.fractional_max_pool2d if spatial == 2 else F.fractional_max_pool3d
+    return lambda x: pool(x, 2, output_size=out, **kw) * 2
+
+
+def _exponents(*shape, dtype=torch.float64):
+    """Whole-number exponents in [-4, 4] as a float leaf, some of them negative."""
+    return (rand_index(9, *shape, seed=4) - 4).to(dtype).requires_grad_()
+
+
+def _next_pairs(dtype):
+    """nextafter operands, equal at a few positions (where self gets no gradient)."""
+    x = rand(5, 9, dtype=dtype, requires_grad=False)
+    y = rand(5, 9, dtype=dtype, requires_grad=False)
+    y[0, :3] = x[0, :3]
+    y[3, 4] = x[3, 4]
+    return x.requires_grad_(), y.requires_grad_()
+
+
+def _xlog1py_edges(dtype):
+    """xlog1py where self is 0 (with other at, below and above -1), other at -1, and ordinary values."""
+    x = torch.tensor([0.0, 0.0, 0.0, 1.5, -2.0, 0.3, 2.0], dtype=dtype)
+    y = torch.tensor([-1.0, -1.5, 0.7, -1.0, 1e-10, 3.0, -0.5], dtype=dtype)
+    return x.requires_grad_(), y.requires_grad_()
+
+
+TAIL_MORE = [
+    Case("fractional_max_pool2d_nc", "FractionalMaxPool2DBackward0", _fractional(2, (4, 5)), make(leaf(2, 3, 9, 11, nc=True))),
+    Case("fractional_max_pool2d_unbatched", "FractionalMaxPool2DBackward0", _fractional(2, (3, 3)), make(leaf(3, 7, 7))),
+    Case(
+        "fractional_max_pool2d_ratio",
+        "FractionalMaxPool2DBackward0",
+        lambda x: F.fractional_max_pool2d(x, 3, output_ratio=(0.5, 0.5)),
+        make(leaf(1, 2, 13, 9)),
+    ),
+    Case("fractional_max_pool3d", "FractionalMaxPool3DBackward0", _fractional(3, (3, 4, 3)), make(leaf(2, 2, 7, 9, 5))),
+    Case("fractional_max_pool3d_unbatched_nc", "FractionalMaxPool3DBackward0", _fractional(3, (2, 2, 3)), make(leaf(3, 5, 5, 7, nc=True))),
+    Case(
+        "avg_pool3d", "AvgPool3DBackward0", lambda x: F.avg_pool3d(x, 3, stride=2, padding=1), make(leaf(2, 3, 7, 9, 5, nc=True)), NO_HALF
+    ),
+    Case(
+        "avg_pool3d_ceil_divisor",
+        "AvgPool3DBackward0",
+        lambda x: F.avg_pool3d(x, (2, 3, 2), ceil_mode=True, count_include_pad=False, divisor_override=5),
+        make(leaf(3, 7, 5, 9)),
+        NO_HALF,
+    ),
+    Case(
+        "adaptive_avg_pool3d",
+        "AdaptiveAvgPool3DBackward0",
+        lambda x: F.adaptive_avg_pool3d(x, (3, 4, 2)),
+        make(leaf(2, 3, 7, 9, 5, nc=True)),
+    ),
+    Case("adaptive_avg_pool3d_unbatched", "AdaptiveAvgPool3DBackward0", lambda x: F.adaptive_avg_pool3d(x, 5), make(leaf(2, 7, 3, 9))),
+    Case("kthvalue_rows_nc", "KthvalueBackward0", lambda x: x.kthvalue(4, 1)[0], make(leaf(7, 13, nc=True))),
+    Case(
+        "kthvalue_dim0_keepdim_ties", "KthvalueBackward0", lambda x: x.kthvalue(2, 0, keepdim=True)[0], lambda d: (integers(9, 5, dtype=d),)
+    ),
+    Case("kthvalue_0d", "KthvalueBackward0", lambda x: x.kthvalue(1)[0], make(leaf())),
+    Case("mode_ties", "ModeBackward0", lambda x: x.mode(-1)[0], lambda d: (integers(5, 3, 11, dtype=d, high=3),)),
+    Case(
+        "mode_dim0_keepdim_nc",
+        "ModeBackward0",
+        lambda x: x.mode(0, keepdim=True)[0],
+        lambda d: (integers(7, 13, dtype=d, noncontiguous=True),),
+    ),
+    Case(
+        "ldexp_broadcast_nc",
+        "LdexpBackward0",
+        torch.ldexp,
+        lambda d: (rand(7, 13, dtype=d, noncontiguous=True), _exponents(13, dtype=d)),
+    ),
+    Case("ldexp_self_only", "LdexpBackward0", lambda x, e: torch.ldexp(x, e), make(leaf(5, 9), fixed(torch.arange(-4.0, 5.0)))),
+    Case(
+        "xlog1py_broadcast_nc",
+        "SpecialXlog1PyBackward0",
+        torch.special.xlog1py,
+        lambda d: (rand(7, 13, dtype=d, noncontiguous=True), positive(13, dtype=d)),
+    ),
+    Case("xlog1py_edges", "SpecialXlog1PyBackward0", torch.special.xlog1py, _xlog1py_edges, NO_HALF),
+    Case("xlog1py_small_other", "SpecialXlog1PyBackward0", lambda x, y: torch.special.xlog1py(x, y * 1e-9), make(leaf(7, 13), leaf(7, 13))),
+    Case("take_repeats_negative", "TakeBackward0", lambda x, i: x.take(i), make(leaf(7, 13, nc=True), fixed(idx(0, 5, 5, -1, 90, -91, 5)))),
+    Case("take_2d_index", "TakeBackward0", lambda x, i: x.take(i) * 3, make(leaf(3, 5, 7), fixed(rand_index(105, 4, 6)))),
+    Case("take_0d", "TakeBackward0", lambda x, i: x.take(i), make(leaf(), fixed(idx(0, 0, -1)))),
+    Case("put_overwrite_nc", "PutBackward0", lambda x, i, s: x.put(i, s), make(leaf(7, 13, nc=True), fixed(idx(3, -1, 50, 0)), leaf(4))),
+    Case(
+        "put_accumulate_repeats",
+        "PutBackward0",
+        lambda x, i, s: x.put(i, s, accumulate=True),
+        make(leaf(5, 9), fixed(rand_index(45, 2, 6)), leaf(2, 6)),
+    ),
+    Case("put_self_only", "PutBackward0", lambda x, i, s: x.put(i, s), make(leaf(5, 9), fixed(idx(1, 2, 2)), const(3))),
+    Case("put_source_only", "PutBackward0", lambda x, i, s: x.put(i, s) * 2, make(const(5, 9), fixed(idx(44, 0, 7)), leaf(3))),
+]
+
+TAIL_MORE += [
+    Case("pdist_p2", "PdistBackward0", F.pdist, make(leaf(7, 13, nc=True)), NO_HALF),
+    Case("pdist_p1_5", "PdistBackward0", lambda x: F.pdist(x, 1.5), make(leaf(9, 5)), NO_HALF),
+    Case("pdist_p1", "PdistBackward0", lambda x: F.pdist(x, 1) * 2, make(leaf(5, 3)), NO_HALF),
+    Case("pdist_inf", "PdistBackward0", lambda x: F.pdist(x, INF), make(leaf(6, 7)), NO_HALF),
+    Case(
+        "multi_margin_loss_nc",
+        "MultiMarginLossBackward0",
+        lambda x, t: F.multi_margin_loss(x, t),
+        make(leaf(7, 13, nc=True), fixed(rand_index(13, 7, seed=5))),
+        NO_HALF,
+    ),
+    Case(
+        "multi_margin_loss_p2_weight_sum",
+        "MultiMarginLossBackward0",
+        lambda x, t, w: F.multi_margin_loss(x, t, p=2, margin=0.7, weight=w, reduction="sum"),
+        make(leaf(9, 5), fixed(rand_index(5, 9, seed=6)), const(5)),
+        NO_HALF,
+    ),
+    Case(
+        "multi_margin_loss_none_1d",
+        "MultiMarginLossBackward0",
+        lambda x, t: F.multi_margin_loss(x, t, reduction="none"),
+        make(leaf(11), fixed(idx(4))),
+        NO_HALF,
+    ),
+    Case(
+        "multilabel_margin_loss",
+        "MultilabelMarginLossBackward0",
+        lambda x, t: F.multilabel_margin_loss(x, t),
+        make(leaf(5, 7, nc=True), fixed(torch.tensor([[3, 0, -1, 1, 1, 1, 1]] * 2 + [[6, 5, 4, -1, 0, 0, 0]] * 3))),
+        NO_HALF,
+    ),
+    Case(
+        "multilabel_margin_loss_none_1d",
+        "MultilabelMarginLossBackward0",
+        lambda x, t: F.multilabel_margin_loss(x, t, reduction="none"),
+        make(leaf(7), fixed(idx(2, 5, -1, 0, 0, 0, 0))),
+        NO_HALF,
+    ),
+]
+
+# torch 2.11 gives aminmax no derivative (a NotImplemented node); 2.13 does
+AMINMAX_DIFFERENTIABLE = torch.aminmax(torch.zeros(2, requires_grad=True))[0].grad_fn.name() == "AminmaxBackward0"
+if AMINMAX_DIFFERENTIABLE:
+    TAIL_MORE += [
+        Case("aminmax_dim_ties", "AminmaxBackward0", lambda x: sum(torch.aminmax(x, dim=1)), lambda d: (integers(7, 13, dtype=d),)),
+        Case(
+            "aminmax_all_ties_nc",
+            "AminmaxBackward0",
+            lambda x: sum(torch.aminmax(x)),
+            lambda d: (integers(5, 9, dtype=d, noncontiguous=True),),
+        ),
+        Case(
+            "aminmax_keepdim_max_only",
+            "AminmaxBackward0",
+            lambda x: torch.aminmax(x, dim=0, keepdim=True)[1] * 3,
+            make(leaf(7, 13, nc=True)),
+        ),
+        Case("aminmax_min_only_3d", "AminmaxBackward0", lambda x: torch.aminmax(x, dim=-1)[0], make(leaf(3, 5, 7))),
+        Case("aminmax_0d", "AminmaxBackward0", lambda x: sum(torch.aminmax(x)), make(leaf())),
+    ]
+
+
+def _logit_edges(dtype):
+    """logit inputs at 0, 1, the eps = 0.25 bounds, outside [0, 1] and in between."""
+    return (torch.tensor([-0.1, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.2], dtype=dtype).requires_grad_(),)
+
+
+TAIL_MORE += [
+    Case("logit_nc", "LogitBackward0", torch.logit, lambda d: (positive(7, 13, dtype=d, low=0.05, noncontiguous=True) / 2.2,)),
+    Case("logit_edges", "LogitBackward0", torch.logit, _logit_edges),
+    Case("logit_eps_edges", "LogitBackward0", lambda x: torch.logit(x, 0.25), _logit_edges),
+    Case("logit_eps_small", "LogitBackward0", lambda x: torch.logit(x * 3, 1e-6), make(leaf(5, 9))),
+]
+
+# torch 2.11 has no bfloat16 trace on the CPU, and its trace backward fills a tall matrix past the
+# diagonal (the rule declines there; test below)
+TRACE_TALL_EXACT = not _trace_backward_fills_tall_matrices_past_the_diagonal()
+TAIL_MORE += [
+    Case("trace_wide_nc", "TraceBackward0", lambda x: x.trace() * 3, make(leaf(7, 13, nc=True)), NO_HALF),
+    Case("trace_one_by_one", "TraceBackward0", torch.trace, make(leaf(1, 1)), NO_HALF),
+    Case("trace_square_sum", "TraceBackward0", lambda x: x.trace() + x.sum(), make(leaf(5, 5)), NO_HALF),
+    Case("trace_empty", "TraceBackward0", lambda x: x.trace() + x.sum(), make(leaf(0, 3)), NO_HALF),
+]
+if TRACE_TALL_EXACT:
+    TAIL_MORE.append(Case("trace_tall", "TraceBackward0", torch.trace, make(leaf(13, 7)), NO_HALF))
+
+# torch 2.11 gives nextafter no derivative (its node saves nothing and raises); 2.13 does
+NEXTAFTER_DIFFERENTIABLE = hasattr(torch.nextafter(torch.zeros(1, requires_grad=True), torch.ones(1)).grad_fn, "_saved_self")
+if NEXTAFTER_DIFFERENTIABLE:
+    TAIL_MORE += [
+        Case("nextafter_ties", "NextafterBackward0", torch.nextafter, _next_pairs, NO_HALF),
+        Case(
+            "nextafter_broadcast_nc",
+            "NextafterBackward0",
+            torch.nextafter,
+            lambda d: (rand(7, 13, dtype=d, noncontiguous=True), rand(13, dtype=d)),
+            NO_HALF,
+        ),
+    ]
+
+TAIL += TAIL_MORE
+
 ALL = SELECTION + SCANS + SPECIAL + SCATTER_REDUCE + LAYERS + RECURRENT + TAIL
 
 
@@ -654,3 +859,35 @@ def test_dist_p0_with_both_sides_requiring_grad_raises_as_torch_does():
     with pytest.raises(RuntimeError) as ours:
         gpuautograd.grad([out], [x, y])
     assert str(ours.value).splitlines()[0] == str(theirs.value).splitlines()[0]
+
+
+def test_ldexp_with_an_integer_exponent_runs_the_node_and_matches_torch():
+    # torch computes 2 ** other in integers, so negative exponents give a zero gradient; the rule
+    # declines rather than reproduce that, and the node's own backward gives torch's values
+    x, e = rand(7, 5), torch.tensor([-3, -1, 0, 2, 5])
+    out = torch.ldexp(x, e)
+    assert gpuautograd.explain([out], [torch.ones_like(out)]).opaque_nodes
+    (ours,) = gpuautograd.grad([out], [x], [torch.ones_like(out)], retain_graph=True)
+    (theirs,) = torch.autograd.grad([out], [x], [torch.ones_like(out)])
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(NEXTAFTER_DIFFERENTIABLE, reason="this torch differentiates nextafter (the table's cases cover it)")
+def test_nextafter_without_a_derivative_raises_as_torch_does():
+    x, y = rand(5, 7), rand(5, 7)
+    out = torch.nextafter(x, y)
+    with pytest.raises(RuntimeError) as theirs:
+        torch.autograd.grad(out.sum(), [x, y], retain_graph=True)
+    with pytest.raises(RuntimeError) as ours:
+        gpuautograd.grad(out.sum(), [x, y])
+    assert str(ours.value).splitlines()[0] == str(theirs.value).splitlines()[0]
+
+
+@pytest.mark.skipif(TRACE_TALL_EXACT, reason="this torch's trace backward is the diagonal alone (the table covers tall inputs)")
+def test_trace_of_a_tall_matrix_runs_the_node_where_torch_fills_past_the_diagonal():
+    x = rand(13, 7)
+    out = x.trace()
+    assert gpuautograd.explain([out], [torch.ones_like(out)]).opaque_nodes
+    (ours,) = gpuautograd.grad([out], [x], retain_graph=True)
+    (theirs,) = torch.autograd.grad([out], [x])
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

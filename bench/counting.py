@@ -54,7 +54,7 @@ class AtenOpCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _observed_functional():
+def observed_functional():
     """gpuautograd runs eagerly while a dispatch mode or the profiler watches it, unless told to
     run its program anyway: here the program's launches are what is counted."""
     previous = os.environ.get("GPUAUTOGRAD_WHEN_OBSERVED")
@@ -75,7 +75,7 @@ def count_launches(fn: Callable[[], object]) -> int:
 
 def count_aten_ops(fn: Callable[[], object]) -> AtenOpCounter:
     """Run `fn` once under the counter; `.launching` is the launch count, `.total` every op seen."""
-    with _observed_functional(), AtenOpCounter() as counter:
+    with observed_functional(), AtenOpCounter() as counter:
         fn()
     return counter
 
@@ -85,7 +85,7 @@ def count_cuda_kernels(fn: Callable[[], object]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with _observed_functional(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with observed_functional(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     kernels = 0

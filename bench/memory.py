@@ -20,10 +20,8 @@ Writes DIR/memory.json with one row per model and backend.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import gpuautograd
 from gpuautograd.capture.walk import walk
 
+from .counting import observed_functional
 from .models import SUITE
 
 BACKENDS = {"cpu": ("eager", "reference", "interpret-replay"), "cuda": ("eager", "triton", "cudagraph")}
@@ -54,23 +53,10 @@ def _saved_activations(loss, held: set[int]) -> list[tuple[StorageWeakRef, int]]
     return out
 
 
-@contextlib.contextmanager
-def _functional_when_observed():
-    old = os.environ.get("GPUAUTOGRAD_WHEN_OBSERVED")
-    os.environ["GPUAUTOGRAD_WHEN_OBSERVED"] = "functional"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["GPUAUTOGRAD_WHEN_OBSERVED"]
-        else:
-            os.environ["GPUAUTOGRAD_WHEN_OBSERVED"] = old
-
-
 def cpu_allocations(fn) -> tuple[int, int]:
     """(peak, net) bytes of CPU tensor memory while `fn()` runs, above what was allocated before:
     the profiler's allocation (+) and free (-) events summed in order."""
-    with _functional_when_observed():
+    with observed_functional():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
     # the raw allocation events, in time order (FunctionEvents attribute them to the ops around them)

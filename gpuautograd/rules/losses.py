@@ -13,7 +13,7 @@ import math
 import struct
 
 from ..ir import composite_ops
-from .pointwise import opmath
+from .pointwise import opmath, xlogy_backward_at
 from .registry import register
 
 _MEAN = 1
@@ -145,18 +145,8 @@ def soft_margin_loss_backward(b, node, grads):
 
 @register("XlogyBackward0")
 def xlogy_backward(b, node, grads):
-    # self: xlogy(grad, other).masked_fill((self == 0.) & (other <= 0.), 0.)
-    # other: grad * self / other
-    g = opmath(b, grads[0])
-    x, y = opmath(b, node.saved("self")), opmath(b, node.saved("other"))
-    gs = go = None
-    if node.needs(0):
-        keep_zero = b.logical_and(b.eq(g, 0.0), b.eq(y, y))  # xlogy(0, y) = 0 unless y is NaN
-        gs = b.where(keep_zero, 0.0, b.mul(g, b.log(y)))
-        gs = b.where(b.logical_and(b.eq(x, 0.0), b.le(y, 0.0)), 0.0, gs)
-    if node.needs(1):
-        go = b.div(b.mul(g, x), y)
-    return [gs, go]
+    # self: xlogy(grad, other).masked_fill((self == 0.) & (other <= 0.), 0.);  other: grad * self / other
+    return xlogy_backward_at(b, node, grads, 0.0, lambda b, y: b.log(y))
 
 
 @register("XlogyBackward1")

@@ -182,25 +182,8 @@ def _avg_pool_rule(spatial: int):
     return rule
 
 
+register("AvgPool2DBackward0")(_avg_pool_rule(2))
 register("AvgPool3DBackward0")(_avg_pool_rule(3))
-
-
-@register("AvgPool2DBackward0")
-def avg_pool2d_backward(b, node, grads):
-    # self: avg_pool2d_backward(grad, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
-    (grad,) = grads
-    out = b.emit(
-        "avg_pool2d_backward",
-        grad,
-        node.saved("self"),
-        kernel_size=tuple(node.saved("kernel_size")),
-        stride=tuple(node.saved("stride")),
-        padding=tuple(node.saved("padding")),
-        ceil_mode=node.saved("ceil_mode"),
-        count_include_pad=node.saved("count_include_pad"),
-        divisor_override=node.saved("divisor_override"),
-    )
-    return [out]
 
 
 @register("AdaptiveAvgPool2DBackward0")

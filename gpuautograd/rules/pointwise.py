@@ -460,20 +460,27 @@ def _log1p(b, y):
     return b.where(b.eq(u, 1.0), y, b.where(b.eq(u, math.inf), u, corrected))
 
 
-@register("SpecialXlog1PyBackward0")
-def xlog1py_backward(b, node, grads):
-    # self: xlog1py(grad, other).masked_fill((self == 0.) & (other <= -1.), 0.)
-    # other: grad * self / (other + 1)
+def xlogy_backward_at(b, node, grads, shift: float, log):
+    """The gradients of xlogy(x, y + shift): shift 0 is xlogy, shift 1 xlog1py (log(b, y) is then
+    log1p). Their derivatives.yaml rows differ only in that shift."""
+    # self: xlogy(grad, y + shift).masked_fill((self == 0.) & (y + shift <= 0.), 0.)
+    # other: grad * self / (y + shift)
     g = opmath(b, grads[0])
     x, y = opmath(b, node.saved("self")), opmath(b, node.saved("other"))
     gs = go = None
     if node.needs(0):
-        keep_zero = b.logical_and(b.eq(g, 0.0), b.eq(y, y))  # xlog1py(0, y) = 0 unless y is NaN
-        gs = b.where(keep_zero, 0.0, b.mul(g, _log1p(b, y)))
-        gs = b.where(b.logical_and(b.eq(x, 0.0), b.le(y, -1.0)), 0.0, gs)
+        keep_zero = b.logical_and(b.eq(g, 0.0), b.eq(y, y))  # xlogy(0, y) = 0 unless y is NaN
+        gs = b.where(keep_zero, 0.0, b.mul(g, log(b, y)))
+        gs = b.where(b.logical_and(b.eq(x, 0.0), b.le(y, 0.0 - shift)), 0.0, gs)  # 0.0 - shift: +0.0 at shift 0
     if node.needs(1):
-        go = b.div(b.mul(g, x), b.add(y, 1.0))
+        go = b.div(b.mul(g, x), b.add(y, shift) if shift else y)
     return [gs, go]
+
+
+@register("SpecialXlog1PyBackward0")
+def xlog1py_backward(b, node, grads):
+    # self: xlog1py(grad, other).masked_fill((self == 0.) & (other <= -1.), 0.);  other: grad * self / (other + 1)
+    return xlogy_backward_at(b, node, grads, 1.0, _log1p)
 
 
 @register("NextafterBackward0")

@@ -1,15 +1,16 @@
 """The OpInfo sweep: how much of torch's own op catalogue gpuautograd differentiates correctly,
 and how much of it runs functionally (no opaque node, no eager fallback).
 
-    python -m bench.coverage [--ops a,b] [--limit N] [--samples-per-op N] [--out FILE.json] [--top N]
+    python -m bench.coverage [--ops a,b] [--dtypes float64,complex128] [--limit N] [--samples-per-op N]
+                             [--out FILE.json] [--top N]
 
-Every OpInfo of torch's `op_db` that supports autograd and float64 on the CPU gives its sample
-inputs (requires_grad=True); each sample's forward runs once, then its backward runs under
+Every OpInfo of torch's `op_db` that supports autograd gives its sample inputs (requires_grad=True)
+in each dtype it differentiates on the CPU: float64, and complex128 where it has complex backward; each sample's forward runs once, then its backward runs under
 gpuautograd (the reference executor) and under torch.autograd with the same random incoming
 gradients. A sample is
 
 - "correct" when every gradient matches torch's within the float64 tolerance of
-  gpuautograd.tolerances (NaN where torch gives NaN counts as agreement); a zero gradient where
+  gpuautograd.tolerances for the sample's dtype (NaN where torch gives NaN counts as agreement); a zero gradient where
   the other side gives none agrees in value and is counted correct, and apart ("zero-vs-none":
   `.grad` would be zeros instead of None),
 - "functional" when every gradient matches exactly so, its captured program has no opaque node
@@ -35,7 +36,7 @@ import torch
 import gpuautograd
 from gpuautograd.tolerances import TOLERANCES
 
-DTYPE = torch.float64
+DTYPES = (torch.float64, torch.complex128)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class SampleResult:
     status: str
     opaque: list[str] = field(default_factory=list)
     detail: str = ""
+    dtype: str = "float64"
 
 
 def _op_id(op) -> str:
@@ -80,10 +82,10 @@ def _outputs(op, sample) -> list[torch.Tensor]:
     return [t for t in _tensors(result) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
 
 
-def _compare(ours, theirs) -> tuple[str, str]:
+def _compare(ours, theirs, dtype) -> tuple[str, str]:
     """(what differs in value, what differs only in presence): each '' when nothing does. A zero
     gradient where torch gives none (or the reverse) agrees in value but not in `.grad`."""
-    rtol, atol = TOLERANCES[DTYPE]
+    rtol, atol = TOLERANCES[dtype]
     presence = ""
     for k, (a, e) in enumerate(zip(ours, theirs)):
         if (a is None) != (e is None):
@@ -105,9 +107,15 @@ def _compare(ours, theirs) -> tuple[str, str]:
     return "", presence
 
 
-def run_sample(op, sample, index: int) -> SampleResult:
+def run_sample(op, sample, index: int, dtype=torch.float64) -> SampleResult:
     """One sample's backward under gpuautograd and torch.autograd (status "skipped" when torch
     itself refuses it)."""
+    result = _run_sample(op, sample, index, dtype)
+    result.dtype = str(dtype).replace("torch.", "")
+    return result
+
+
+def _run_sample(op, sample, index: int, dtype) -> SampleResult:
     name = _op_id(op)
     leaves = _leaves(sample)
     try:
@@ -131,7 +139,7 @@ def run_sample(op, sample, index: int) -> SampleResult:
         fell_back = sum(gpuautograd.stats()["fallbacks"].values()) != fallbacks_before
     except Exception as e:  # noqa: BLE001 - any failure of ours is what the sweep reports
         return SampleResult(name, index, "error", detail=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
-    wrong, presence = _compare(ours, theirs)
+    wrong, presence = _compare(ours, theirs, dtype)
     if wrong:
         return SampleResult(name, index, "wrong", list(report.opaque_nodes), wrong[:300])
     opaque = list(report.opaque_nodes)
@@ -143,32 +151,57 @@ def run_sample(op, sample, index: int) -> SampleResult:
     return SampleResult(name, index, "opaque" if opaque else "functional", opaque)
 
 
-def select_ops(names: list[str] | None = None, limit: int | None = None) -> list:
-    """The OpInfos of the sweep: autograd and float64 on the CPU; `names` picks by name (with or
-    without the variant), `limit` keeps the first N."""
+def swept_dtypes(op, dtypes=DTYPES) -> list[torch.dtype]:
+    """The dtypes of `dtypes` the op differentiates on the CPU (float64 when it runs in it at all)."""
+    out = []
+    for dtype in dtypes:
+        supported = op.supported_backward_dtypes("cpu") if dtype.is_complex else op.supported_dtypes("cpu")
+        if dtype in supported:
+            out.append(dtype)
+    return out
+
+
+def select_ops(names: list[str] | None = None, limit: int | None = None, dtypes=DTYPES) -> list:
+    """The OpInfos of the sweep: autograd, and one of `dtypes` on the CPU; `names` picks by name
+    (with or without the variant), `limit` keeps the first N."""
     from torch.testing._internal.common_methods_invocations import op_db
 
-    ops = [op for op in op_db if op.supports_autograd and DTYPE in op.supported_dtypes("cpu")]
+    ops = [op for op in op_db if op.supports_autograd and swept_dtypes(op, dtypes)]
     if names:
         wanted = set(names)
         ops = [op for op in ops if op.name in wanted or _op_id(op) in wanted]
         missing = wanted - {op.name for op in ops} - {_op_id(op) for op in ops}
         if missing:
-            raise ValueError(f"no autograd float64 OpInfo named {sorted(missing)}")
+            raise ValueError(f"no autograd OpInfo in {[str(d) for d in dtypes]} named {sorted(missing)}")
     return ops[:limit] if limit else ops
 
 
-def sweep(ops, samples_per_op: int | None = None) -> list[SampleResult]:
+def sweep(ops, samples_per_op: int | None = None, dtypes=DTYPES) -> list[SampleResult]:
     results = []
     for op in ops:
-        try:
-            samples = list(op.sample_inputs("cpu", DTYPE, requires_grad=True))
-        except Exception as e:  # noqa: BLE001 - an OpInfo that cannot make samples here
-            results.append(SampleResult(_op_id(op), -1, "error", detail=f"sample_inputs: {type(e).__name__}: {e}"[:300]))
-            continue
-        for i, sample in enumerate(samples[:samples_per_op] if samples_per_op else samples):
-            results.append(run_sample(op, sample, i))
+        for dtype in swept_dtypes(op, dtypes):
+            try:
+                samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))
+            except Exception as e:  # noqa: BLE001 - an OpInfo that cannot make samples here
+                detail = f"sample_inputs: {type(e).__name__}: {e}"[:300]
+                results.append(SampleResult(_op_id(op), -1, "error", detail=detail, dtype=str(dtype).replace("torch.", "")))
+                continue
+            for i, sample in enumerate(samples[:samples_per_op] if samples_per_op else samples):
+                results.append(run_sample(op, sample, i, dtype))
     return results
+
+
+def _shares(results: list[SampleResult]) -> dict:
+    n = len(results)
+    counts = collections.Counter(r.status for r in results)
+    correct = counts["functional"] + counts["opaque"] + counts["zero-vs-none"]
+    return {
+        "samples": n,
+        "correct": correct,
+        "functional": counts["functional"],
+        "correct_share": round(correct / n, 4) if n else 0.0,
+        "functional_share": round(counts["functional"] / n, 4) if n else 0.0,
+    }
 
 
 def summarize(results: list[SampleResult], top: int = 15) -> dict:
@@ -195,12 +228,14 @@ def summarize(results: list[SampleResult], top: int = 15) -> dict:
         "errors": counts["error"],
         "top_opaque": [{"node": name, "samples": c, "ops": sorted(ops_by_node[name])[:8]} for name, c in by_node.most_common(top)],
         "failures": [asdict(r) for r in results if r.status in ("wrong", "error", "zero-vs-none")],
+        "by_dtype": {d: _shares([r for r in results if r.dtype == d]) for d in sorted({r.dtype for r in results})},
     }
 
 
 def print_report(summary: dict) -> None:
     s = summary
-    print(f"OpInfo sweep, float64 on the CPU: {s['samples']} samples of {s['ops']} ops")
+    dtypes = ", ".join(s.get("by_dtype", {"float64": None}))
+    print(f"OpInfo sweep, {dtypes} on the CPU: {s['samples']} samples of {s['ops']} ops")
     print(f"({s['skipped']} more skipped: torch itself cannot differentiate them)")
     print("| measure | samples | share |")
     print("|---|---|---|")
@@ -209,6 +244,9 @@ def print_report(summary: dict) -> None:
     print(f"| functional (no opaque node) | {s['functional']} | {100 * s['functional_share']:.1f}% |")
     print(f"| wrong gradients | {s['wrong']} | |")
     print(f"| errors | {s['errors']} | |")
+    for d, row in s.get("by_dtype", {}).items():
+        print(f"| {d}: correct / functional of {row['samples']} | {row['correct']} / {row['functional']} | "
+              f"{100 * row['correct_share']:.1f}% / {100 * row['functional_share']:.1f}% |")
     if s["top_opaque"]:
         print("\n| opaque node | samples | ops (first few) |")
         print("|---|---|---|")
@@ -220,7 +258,8 @@ def print_report(summary: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.coverage", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", help="comma-separated OpInfo names (default: every autograd float64 op)")
+    p.add_argument("--ops", help="comma-separated OpInfo names (default: every autograd op)")
+    p.add_argument("--dtypes", default="float64,complex128", help="comma-separated dtypes to sweep (default float64,complex128)")
     p.add_argument("--limit", type=int, help="only the first N ops")
     p.add_argument("--samples-per-op", type=int, help="at most N samples per op")
     p.add_argument("--top", type=int, default=15, help="how many opaque nodes to list (default 15)")
@@ -231,11 +270,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     names = [s.strip() for s in args.ops.split(",") if s.strip()] if args.ops else None
     try:
-        ops = select_ops(names, args.limit)
-    except ValueError as e:
+        dtypes = tuple(getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip())
+        ops = select_ops(names, args.limit, dtypes)
+    except (ValueError, AttributeError) as e:
         p.error(str(e))
     t0 = time.perf_counter()
-    summary = summarize(sweep(ops, args.samples_per_op), args.top)
+    summary = summarize(sweep(ops, args.samples_per_op, dtypes), args.top)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
     summary["torch"] = torch.__version__
     print_report(summary)

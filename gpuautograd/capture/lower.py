@@ -16,7 +16,7 @@ import torch
 from ..ir.builder import Builder, IRError
 from ..ir.program import InputSpec, OutputSpec, Program, Value
 from ..ir.types import NodeType, TensorType
-from ..rules.registry import lookup
+from ..rules.registry import handles_complex, lookup
 from . import hooks
 from .nodeview import NodeView, as_signed
 from .walk import ACCUMULATE, BACKWARD_TWICE, CPP, PYTHON, Walk, read_saved, saved_key
@@ -137,6 +137,8 @@ def lower(w: Walk, req: Request) -> Program:
             saved = _saved_values(b, w, i, w.saved_start[i])
             view = NodeView(info.name, saved, [_meta_type(m) for m in metas[i]], out_types, needs, _saved_layouts(w, i))
             try:
+                if not handles_complex(info.name) and _touches_complex(view, grads):
+                    raise NotImplementedError("no rule for complex values (the live node runs)")
                 outs = list(rule(b, view, grads))
             except NotImplementedError as e:
                 # The rule declines this configuration: the live node runs instead, still correct.
@@ -173,6 +175,14 @@ def lower(w: Walk, req: Request) -> Program:
     b.program.executed = [i for i in order if executes[i]]
     b.program.declined = declined
     return b.program
+
+
+def _touches_complex(view: NodeView, grads) -> bool:
+    """Whether a node reads or makes a complex value: its gradients, edges or saved tensors."""
+    types = [*view.input_types, *view.output_types, *(g.type for g in grads if g is not None)]
+    for v in view.saved_tensors():
+        types.append(v.type)
+    return any(t is not None and t.dtype.is_complex for t in types)
 
 
 def _merged(node_sources) -> frozenset | None:
@@ -248,6 +258,8 @@ def _validate(b: Builder, g: Value, expected: TensorType | None, where: str) -> 
                 f"invalid gradient at {where} - got {list(g.shape)} but expected shape compatible with {list(expected.shape)}"
             )
         g = b.sum_to(g, expected.shape)
+    if g.dtype.is_complex and not expected.dtype.is_complex:
+        g = b.real(g)  # torch's handle_r_to_c: a real input takes the real part
     g = b.cast(g, expected.dtype)
     if g.device != expected.device:
         if g.ndim != 0:

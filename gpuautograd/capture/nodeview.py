@@ -49,6 +49,13 @@ class NodeView:
         except KeyError:
             raise KeyError(f"{self.name}: no layout recorded for saved tensor {name!r}") from None
 
+    def saved_tensors(self):
+        """Every saved tensor's Value, tensor lists included."""
+        for v in self._saved.values():
+            for x in v if isinstance(v, (list, tuple)) else (v,):
+                if hasattr(x, "type") and isinstance(x.type, TensorType):
+                    yield x
+
     def has_saved(self, name: str) -> bool:
         return name in self._saved
 

@@ -82,6 +82,20 @@ class Builder:
     def cast(self, x: Value, dtype: torch.dtype) -> Value:
         return x if x.dtype == dtype else self.emit("cast", x, dtype=dtype)
 
+    # -- complex --------------------------------------------------------------------------
+    def conj(self, x: Operand) -> Operand:
+        """The complex conjugate; a real value (tensor or scalar) is its own."""
+        if isinstance(x, Value):
+            return self.emit("conj", x) if x.dtype.is_complex else x
+        return x.conjugate() if isinstance(x, complex) else x
+
+    def real(self, x: Value) -> Value:
+        return self.emit("real", x) if x.dtype.is_complex else x
+
+    def real_if(self, x: Value | None, dtype: torch.dtype) -> Value | None:
+        """torch's handle_r_to_c: the real part of a gradient that flows to a real input."""
+        return self.real(x) if x is not None and not dtype.is_complex else x
+
     def to_device(self, x: Value, device) -> Value:
         device = torch.device(device)
         return x if x.device == device else self.emit("to_device", x, device=device)

@@ -30,7 +30,7 @@ def format_attr(v: Any) -> str:
 
 
 def format_operand(x) -> str:
-    if isinstance(x, bool | int | float):  # an operand is a Value or a Python scalar literal
+    if isinstance(x, bool | int | float | complex):  # an operand is a Value or a Python scalar literal
         return repr(x)
     return x.name
 

@@ -14,7 +14,7 @@ from typing import Any
 from .printer import format_program
 from .types import NodeType, TensorType
 
-Scalar = bool | int | float
+Scalar = bool | int | float | complex
 
 
 class Value:

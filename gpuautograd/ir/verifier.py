@@ -57,7 +57,7 @@ def verify(program: Program) -> None:
         for x in instr.inputs:
             if isinstance(x, Value) and id(x) not in defined:
                 _fail(program, i, f"operand {x.name} of {instr.op} is used before it is defined")
-            if not isinstance(x, (Value, bool, int, float)):
+            if not isinstance(x, (Value, bool, int, float, complex)):
                 _fail(program, i, f"operand {x!r} of {instr.op} is neither a value nor a scalar literal")
         in_types = [x.type if isinstance(x, Value) else x for x in instr.inputs]
         try:

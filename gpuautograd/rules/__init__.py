@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401 - each family module registers its rules on import
     activations,
+    complex,
     decompositions,
     indexing,
     linalg,

@@ -38,76 +38,80 @@ def zeros_for(b, node, i):
 # Arithmetic
 
 
-@register("AddBackward0")
+@register("AddBackward0", complex=True)
 def add_backward(b, node, grads):
-    # self: grad; other: grad * alpha
+    # self: grad; other: grad * alpha.conj()
     (g,) = grads
-    alpha = node.saved("alpha")
+    alpha = b.conj(node.saved("alpha"))
     return [g if node.needs(0) else None, scaled(b, g, alpha) if node.needs(1) else None]
 
 
-@register("AddBackward1", "SubBackward1", "CloneBackward0")
+@register("AddBackward1", "SubBackward1", "CloneBackward0", complex=True)
 def identity_backward(b, node, grads):
     # add.Scalar / sub.Scalar / clone: self: grad
     return [grads[0]]
 
 
-@register("SubBackward0")
+@register("SubBackward0", complex=True)
 def sub_backward(b, node, grads):
-    # self: grad; other: -grad * alpha
+    # self: grad; other: -grad * alpha.conj()
     (g,) = grads
-    alpha = node.saved("alpha")
+    alpha = b.conj(node.saved("alpha"))
     return [g if node.needs(0) else None, scaled(b, g, -alpha) if node.needs(1) else None]
 
 
-@register("RsubBackward0")
+@register("RsubBackward0", complex=True)
 def rsub_backward(b, node, grads):
-    # rsub(self, other) = other - alpha * self. self: -grad * alpha; other: grad
+    # rsub(self, other) = other - alpha * self. self: -grad * alpha.conj(); other: grad
     (g,) = grads
-    alpha = node.saved("alpha")
+    alpha = b.conj(node.saved("alpha"))
     return [scaled(b, g, -alpha) if node.needs(0) else None, g if node.needs(1) else None]
 
 
-@register("RsubBackward1")
+@register("RsubBackward1", complex=True)
 def rsub_scalar_backward(b, node, grads):
-    # rsub.Scalar: self: -grad * alpha
-    return [scaled(b, grads[0], -node.saved("alpha"))]
+    # rsub.Scalar: self: -grad * alpha.conj()
+    return [scaled(b, grads[0], -b.conj(node.saved("alpha")))]
 
 
-@register("MulBackward0")
+# Complex values follow derivatives.yaml: the other factor is conjugated (the conjugate Wirtinger
+# derivative), and a gradient that flows to a real input keeps its real part (the driver's cast).
+
+
+@register("MulBackward0", complex=True)
 def mul_backward(b, node, grads):
-    # self: grad * other; other: grad * self
+    # self: grad * other.conj(); other: grad * self.conj()
     (g,) = grads
-    gs = b.mul(g, node.saved("other")) if node.needs(0) else None
-    go = b.mul(g, node.saved("self")) if node.needs(1) else None
+    gs = b.mul(g, b.conj(node.saved("other"))) if node.needs(0) else None
+    go = b.mul(g, b.conj(node.saved("self"))) if node.needs(1) else None
     return [gs, go]
 
 
-@register("MulBackward1")
+@register("MulBackward1", complex=True)
 def mul_scalar_backward(b, node, grads):
-    # mul.Scalar: self: grad * other
-    return [scaled(b, grads[0], node.saved("other"))]
+    # mul.Scalar: self: grad * other.conj()
+    return [scaled(b, grads[0], b.conj(node.saved("other")))]
 
 
 def _div_grads(b, node, g):
-    # self: grad / other; other: -grad * ((self / other) / other)
+    # self: grad / other.conj(); other: -grad * ((self / other) / other).conj()
     other = node.saved("other")
-    gs = b.div(g, other) if node.needs(0) else None
+    gs = b.div(g, b.conj(other)) if node.needs(0) else None
     go = None
     if node.needs(1):
-        go = b.mul(b.neg(g), b.div(b.div(node.saved("self"), other), other))
+        go = b.mul(b.neg(g), b.conj(b.div(b.div(node.saved("self"), other), other)))
     return [gs, go]
 
 
-@register("DivBackward0")
+@register("DivBackward0", complex=True)
 def div_backward(b, node, grads):
     return _div_grads(b, node, grads[0])
 
 
-@register("DivBackward1")
+@register("DivBackward1", complex=True)
 def div_scalar_backward(b, node, grads):
-    # div.Scalar: self: grad / other
-    return [b.div(grads[0], node.saved("other"))]
+    # div.Scalar: self: grad / other.conj()
+    return [b.div(grads[0], b.conj(node.saved("other")))]
 
 
 @register("DivBackward2")
@@ -126,7 +130,7 @@ def div_scalar_mode_backward(b, node, grads):
     return [zeros_for(b, node, 0)]
 
 
-@register("NegBackward0")
+@register("NegBackward0", complex=True)
 def neg_backward(b, node, grads):
     # self: -grad
     return [b.neg(grads[0])]
@@ -175,66 +179,74 @@ def pow_scalar_base_backward(b, node, grads):
 # Unary math
 
 
-@register("ExpBackward0")
+@register("ExpBackward0", complex=True)
 def exp_backward(b, node, grads):
-    # self: grad * result
-    return [b.mul(grads[0], node.saved("result"))]
+    # self: grad * result.conj()
+    return [b.mul(grads[0], b.conj(node.saved("result")))]
 
 
-@register("LogBackward0")
+@register("LogBackward0", complex=True)
 def log_backward(b, node, grads):
-    # self: grad / self
-    return [b.div(grads[0], node.saved("self"))]
+    # self: grad.div(self.conj())
+    return [b.div(grads[0], b.conj(node.saved("self")))]
 
 
-@register("SqrtBackward0")
+@register("SqrtBackward0", complex=True)
 def sqrt_backward(b, node, grads):
-    # self: grad / (2 * result)
-    return [b.div(grads[0], b.mul(node.saved("result"), 2))]
+    # self: grad / (2 * result.conj())
+    return [b.div(grads[0], b.mul(b.conj(node.saved("result")), 2))]
 
 
-@register("RsqrtBackward0")
+@register("RsqrtBackward0", complex=True)
 def rsqrt_backward(b, node, grads):
-    # self: -0.5 * grad * result.pow(3)
+    # self: -0.5 * grad * result.pow(3).conj()
     r = node.saved("result")
-    return [b.mul(b.mul(grads[0], -0.5), b.mul(b.mul(r, r), r))]
+    return [b.mul(b.mul(grads[0], -0.5), b.conj(b.mul(b.mul(r, r), r)))]
 
 
-@register("AbsBackward0")
+def sgn(b, x):
+    """torch.sgn: sign for real values, x / |x| (0 at 0) for complex ones."""
+    if not x.dtype.is_complex:
+        return b.sign(x)
+    magnitude = b.abs(x)
+    return b.where(b.eq(magnitude, 0.0), 0.0, b.div(x, magnitude))
+
+
+@register("AbsBackward0", complex=True)
 def abs_backward(b, node, grads):
     # self: grad * self.sgn()
-    return [b.mul(grads[0], b.sign(node.saved("self")))]
+    return [b.mul(grads[0], sgn(b, node.saved("self")))]
 
 
-@register("ReciprocalBackward0")
+@register("ReciprocalBackward0", complex=True)
 def reciprocal_backward(b, node, grads):
-    # self: -grad * (result * result)
+    # self: -grad * (result * result).conj()
     r = node.saved("result")
-    return [b.mul(b.neg(grads[0]), b.mul(r, r))]
+    return [b.mul(b.neg(grads[0]), b.conj(b.mul(r, r)))]
 
 
-@register("SinBackward0")
+@register("SinBackward0", complex=True)
 def sin_backward(b, node, grads):
-    # self: grad * self.cos()
-    return [b.mul(grads[0], b.cos(node.saved("self")))]
+    # self: grad * self.cos().conj()
+    return [b.mul(grads[0], b.conj(b.cos(node.saved("self"))))]
 
 
-@register("CosBackward0")
+@register("CosBackward0", complex=True)
 def cos_backward(b, node, grads):
-    # self: grad * -self.sin()
-    return [b.mul(grads[0], b.neg(b.sin(node.saved("self"))))]
+    # self: grad * -self.sin().conj()
+    return [b.mul(grads[0], b.neg(b.conj(b.sin(node.saved("self")))))]
 
 
-@register("Log1PBackward0")
+@register("Log1PBackward0", complex=True)
 def log1p_backward(b, node, grads):
-    # self: grad / (self + 1)
-    return [b.div(grads[0], b.add(node.saved("self"), 1))]
+    # self: log1p_backward(grad, self) = grad / (self + 1).conj()
+    return [b.div(grads[0], b.conj(b.add(node.saved("self"), 1)))]
 
 
-@register("Expm1Backward0")
+@register("Expm1Backward0", complex=True)
 def expm1_backward(b, node, grads):
-    # self: grad * (result + 1)
-    return [b.mul(grads[0], b.add(node.saved("result"), 1))]
+    # self: grad * (result.conj() + 1)
+    return [b.mul(grads[0], b.add(b.conj(node.saved("result")), 1))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,16 +277,22 @@ def silu_backward(b, node, grads):
     return [composite_ops.emit(b, "silu_backward", grads[0], node.saved("self"))]
 
 
-@register("TanhBackward0")
+@register("TanhBackward0", complex=True)
 def tanh_backward(b, node, grads):
-    # self: tanh_backward(grad, result) = grad * (1 - result * result)
-    return [composite_ops.emit(b, "tanh_backward", grads[0], node.saved("result"))]
+    # self: tanh_backward(grad, result) = grad * (1 - result * result).conj()
+    r = node.saved("result")
+    if r.dtype.is_complex:  # the composite's decomposition is written for real values
+        return [b.mul(grads[0], b.conj(b.sub(1, b.mul(r, r))))]
+    return [composite_ops.emit(b, "tanh_backward", grads[0], r)]
 
 
-@register("SigmoidBackward0")
+@register("SigmoidBackward0", complex=True)
 def sigmoid_backward(b, node, grads):
-    # self: sigmoid_backward(grad, result) = grad * (1 - result) * result
-    return [composite_ops.emit(b, "sigmoid_backward", grads[0], node.saved("result"))]
+    # self: sigmoid_backward(grad, result) = grad * ((1 - result) * result).conj()
+    r = node.saved("result")
+    if r.dtype.is_complex:
+        return [b.mul(grads[0], b.conj(b.mul(b.sub(1, r), r)))]
+    return [composite_ops.emit(b, "sigmoid_backward", grads[0], r)]
 
 
 @register("torch::autograd::UndefinedGradBackward")
@@ -301,7 +319,7 @@ def native_dropout_backward(b, node, grads):
 # where, masked_fill, clamp, min/max of two tensors, copies
 
 
-@register("WhereBackward0")
+@register("WhereBackward0", complex=True)
 def where_backward(b, node, grads):
     # self: where(condition, grad, 0); other: where(condition, 0, grad)
     (g,) = grads
@@ -312,13 +330,13 @@ def where_backward(b, node, grads):
     ]
 
 
-@register("MaskedFillBackward0")
+@register("MaskedFillBackward0", complex=True)
 def masked_fill_backward(b, node, grads):
     # self: grad.masked_fill(mask, 0)
     return [b.where(node.saved("mask"), 0, grads[0])]
 
 
-@register("MaskedFillBackward1")
+@register("MaskedFillBackward1", complex=True)
 def masked_fill_tensor_backward(b, node, grads):
     # self: grad.masked_fill(mask, 0); value: where(mask, grad, 0).sum()
     (g,) = grads
@@ -429,7 +447,7 @@ def minimum_backward(b, node, grads):
     ]
 
 
-@register("ToCopyBackward0")
+@register("ToCopyBackward0", complex=True)
 def to_copy_backward(b, node, grads):
     # self: grad.to(self.options()); the driver casts the dtype, the rule moves the device
     g, expected = grads[0], node.output_type(0)

@@ -40,26 +40,26 @@ def _count(sizes, dims) -> int:
     return n
 
 
-@register("SumBackward0")
+@register("SumBackward0", complex=True)
 def sum_backward(b, node, grads):
     # self: grad.expand(self.sizes())
     return [b.expand(grads[0], tuple(node.saved("self_sym_sizes")))]
 
 
-@register("SumBackward1")
+@register("SumBackward1", complex=True)
 def sum_dim_backward(b, node, grads):
     # self: sum_backward(grad, self.sizes(), dim, keepdim)
     return [_sum_backward(b, grads[0], node.saved("self_sym_sizes"), node.saved("dim"), node.saved("keepdim"))]
 
 
-@register("MeanBackward0")
+@register("MeanBackward0", complex=True)
 def mean_backward(b, node, grads):
     # self: grad.expand(self.sizes()) / self.numel()
     g = b.div(grads[0], node.saved("self_sym_numel"))
     return [b.expand(g, tuple(node.saved("self_sym_sizes")))]
 
 
-@register("MeanBackward1")
+@register("MeanBackward1", complex=True)
 def mean_dim_backward(b, node, grads):
     # self: sum_backward(grad, self.sizes(), dim, keepdim) / (number of reduced elements)
     sizes, dim = tuple(node.saved("self_sym_sizes")), node.saved("dim")

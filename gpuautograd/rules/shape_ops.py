@@ -78,7 +78,7 @@ def _zero_pad(b, x, dim: int, left: int, right: int):
     return b.cat(pieces, dim)
 
 
-@register("ConstantPadNdBackward0")
+@register("ConstantPadNdBackward0", complex=True)
 def constant_pad_nd_backward(b, node, grads):
     # self: constant_pad_nd_backward(grad, pad) = constant_pad_nd(grad, -pad): crop what was padded, zero-fill what was cropped
     grad = grads[0]

@@ -44,19 +44,19 @@ def _zeros_like_type(b, t, dtype=None):
 # -- reshapes ---------------------------------------------------------------------------------
 
 
-@register("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ViewBackward0_copy", "ReshapeAliasBackward0_copy")
+@register("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ViewBackward0_copy", "ReshapeAliasBackward0_copy", complex=True)
 def view_backward(b, node, grads):
     # self: grad.reshape_symint(self.sym_sizes())
     return [b.reshape(grads[0], node.saved("self_sym_sizes"))]
 
 
-@register("AliasBackward0", "AliasBackward0_copy")
+@register("AliasBackward0", "AliasBackward0_copy", complex=True)
 def alias_backward(b, node, grads):
     # self: grad
     return [grads[0]]
 
 
-@register("ExpandBackward0", "ExpandBackward0_copy")
+@register("ExpandBackward0", "ExpandBackward0_copy", complex=True)
 def expand_backward(b, node, grads):
     # self: at::sum_to(grad, self.sym_sizes())
     return [b.sum_to(grads[0], node.saved("self_sym_sizes"))]
@@ -72,6 +72,7 @@ def expand_backward(b, node, grads):
     "SqueezeBackward0_copy",
     "SqueezeBackward1_copy",
     "SqueezeBackward2_copy",
+    complex=True,
 )
 def squeeze_backward(b, node, grads):
     # self: unsqueeze_to(grad, [dim(s),] self.sym_sizes()); squeeze only drops size-1 dims, so
@@ -79,7 +80,7 @@ def squeeze_backward(b, node, grads):
     return [b.reshape(grads[0], node.saved("self_sym_sizes"))]
 
 
-@register("UnsqueezeBackward0", "UnsqueezeBackward1", "UnsqueezeBackward0_copy")
+@register("UnsqueezeBackward0", "UnsqueezeBackward1", "UnsqueezeBackward0_copy", complex=True)
 def unsqueeze_backward(b, node, grads):
     # self: grad.squeeze(dim)   (dim counts in the output's dims, which grad has)
     grad = grads[0]
@@ -89,21 +90,21 @@ def unsqueeze_backward(b, node, grads):
 # -- dim permutations -------------------------------------------------------------------------
 
 
-@register("TBackward0", "TBackward1", "TBackward0_copy")
+@register("TBackward0", "TBackward1", "TBackward0_copy", complex=True)
 def t_backward(b, node, grads):
     # self: grad.t()   (identity for 0-d and 1-d tensors)
     grad = grads[0]
     return [b.transpose(grad, 0, 1) if grad.ndim == 2 else grad]
 
 
-@register("TransposeBackward0", "TransposeBackward1", "TransposeBackward0_copy")
+@register("TransposeBackward0", "TransposeBackward1", "TransposeBackward0_copy", complex=True)
 def transpose_backward(b, node, grads):
     # self: grad.transpose(dim0, dim1)
     grad = grads[0]
     return [b.transpose(grad, norm_dim(node.saved("dim0"), grad.ndim), norm_dim(node.saved("dim1"), grad.ndim))]
 
 
-@register("PermuteBackward0", "PermuteBackward0_copy")
+@register("PermuteBackward0", "PermuteBackward0_copy", complex=True)
 def permute_backward(b, node, grads):
     # self: permute_backwards(grad, dims): grad.permute(inverse of dims)
     grad = grads[0]
@@ -117,7 +118,7 @@ def permute_backward(b, node, grads):
 # -- slices -----------------------------------------------------------------------------------
 
 
-@register("SliceBackward0", "SliceBackward0_copy")
+@register("SliceBackward0", "SliceBackward0_copy", complex=True)
 def slice_backward(b, node, grads):
     # self: slice_backward_wrapper(grad, self.sym_sizes(), dim, start, end, step)
     #       = zeros(self.sizes).slice_scatter(grad, dim, start, end, step)
@@ -131,7 +132,7 @@ def slice_backward(b, node, grads):
     return [b.slice_scatter(base, grad, dim, start, end, step)]
 
 
-@register("SelectBackward0", "SelectBackward0_copy")
+@register("SelectBackward0", "SelectBackward0_copy", complex=True)
 def select_backward(b, node, grads):
     # self: select_backward_symint(grad, self.sym_sizes(), dim, index)
     #       = zeros(self.sizes).select_scatter(grad, dim, index)
@@ -176,7 +177,7 @@ def _cat_offset(node, sizes: list, j: int, total: int) -> int:
     )
 
 
-@register("CatBackward0")
+@register("CatBackward0", complex=True)
 def cat_backward(b, node, grads):
     # tensors: cat_tensors_backward(grad, tensors sizes, tensors dtypes, dim): grad.narrow per input
     grad = grads[0]
@@ -194,7 +195,7 @@ def cat_backward(b, node, grads):
     return out
 
 
-@register("StackBackward0")
+@register("StackBackward0", complex=True)
 def stack_backward(b, node, grads):
     # tensors: stack_tensors_backward(grad, dim, dtypes): grad.unbind(dim)
     grad = grads[0]

@@ -497,8 +497,6 @@ def _short_path(entry: Entry) -> tuple | None:
 
 def unsupported_reason(w, grads) -> str | None:
     for t in grads:
-        if t.is_complex():
-            return "complex gradients are not supported"
         if t.layout != torch.strided:
             return f"{t.layout} gradients are not supported"
     # Checked on a miss only: a saved tensor or leaf of another layout has no strides, so a graph
@@ -509,10 +507,6 @@ def unsupported_reason(w, grads) -> str | None:
     for node, info in zip(w.nodes, w.classes):
         if info.kind == "accumulate" and node.variable.layout != torch.strided:
             return f"a leaf has layout {node.variable.layout}; the functional backward handles strided tensors only"
-    for entry in w.key:
-        for meta in entry[2] if isinstance(entry[0], type) else ():
-            if meta[1].is_complex:
-                return "complex tensors are not supported"
     return None
 
 

@@ -384,6 +384,7 @@ def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = No
     """Capture the backward of `tensors` without running it and without freeing anything. When
     the backward would fall back to eager, `.program` is None and `.fallback_reason` says why."""
     w, key, root_edges, input_edges, grads, accumulate = _walk_only(tensors, grad_tensors, inputs, backend)
+    w.native_key = native_walk.current() == native_walk.NATIVE  # what a backward would capture under
     names = [c.name for c in w.classes]
     reason = _global_fallback_reason(create_graph=False) or w.hook_reason or _native_fallback(tensors, inputs)
     entry = None if reason else engine.build_entry(w, grads, root_edges, input_edges, accumulate, key[0])

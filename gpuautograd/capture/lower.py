@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..ir.builder import Builder, IRError
 from ..ir.program import InputSpec, OutputSpec, Program, Value
 from ..ir.types import NodeType, TensorType
@@ -135,7 +136,8 @@ def lower(w: Walk, req: Request) -> Program:
         rule = lookup(info.name) if info.kind == CPP and i not in w.hooked else None
         if rule is not None:
             saved = _saved_values(b, w, i, w.saved_start[i])
-            view = NodeView(info.name, saved, [_meta_type(m) for m in metas[i]], out_types, needs, _saved_layouts(w, i))
+            geometry = _native_geometry(w.nodes[i]) if w.native_key else None
+            view = NodeView(info.name, saved, [_meta_type(m) for m in metas[i]], out_types, needs, _saved_layouts(w, i), geometry)
             try:
                 if not handles_complex(info.name) and _touches_complex(view, grads):
                     raise NotImplementedError("no rule for complex values (the live node runs)")
@@ -175,6 +177,14 @@ def lower(w: Walk, req: Request) -> Program:
     b.program.executed = [i for i in order if executes[i]]
     b.program.declined = declined
     return b.program
+
+
+def _native_geometry(node):
+    def read():
+        ext = native.load()
+        return None if ext is None else ext.as_strided_geometry(node)
+
+    return read
 
 
 def _touches_complex(view: NodeView, grads) -> bool:

@@ -23,7 +23,14 @@ def as_signed(value: Any) -> Any:
 
 class NodeView:
     def __init__(
-        self, name: str, saved: dict[str, Any], input_types: list, output_types: list, needs: list[bool], contiguous: dict | None = None
+        self,
+        name: str,
+        saved: dict[str, Any],
+        input_types: list,
+        output_types: list,
+        needs: list[bool],
+        contiguous: dict | None = None,
+        geometry=None,
     ) -> None:
         self.name = name
         self._saved = saved  # attribute name without "_saved_" -> Value, list of Values or constant
@@ -31,6 +38,12 @@ class NodeView:
         self.output_types = output_types  # TensorType or None per edge (what the next node expects)
         self._needs = needs
         self._contiguous = contiguous or {}  # saved tensor name -> whether it was contiguous at capture
+        self._geometry = geometry
+
+    def input_geometry(self):
+        """(sizes, strides, storage offset) of the node's forward input where autograd keeps it in
+        C++ only (as_strided) and the cache key guards it (the native walker's), else None."""
+        return self._geometry() if self._geometry is not None else None
 
     def saved(self, name: str) -> Any:
         """The saved value `name` (as in `grad_fn._saved_<name>`): a Value for a tensor, a list of

@@ -127,6 +127,9 @@ class Walk:
     # backward already ran the node and let go of it (see mark_hooked_released).
     hooked: dict = field(default_factory=dict)
     hook_reason: str | None = None
+    # Whether the cache key this walk's plan goes under holds what autograd keeps in C++ only (the
+    # native walker's key does: as_strided's input geometry), so that lowering may read it natively.
+    native_key: bool = False
     walker = "python"  # not a field: which walker made this (the native one has its own class)
 
 

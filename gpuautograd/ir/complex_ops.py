@@ -2,11 +2,12 @@
 
 Arithmetic on complex values reuses the ordinary pointwise rows (add, mul, div, exp, ...): torch's
 kernels take complex operands. What is new is conjugation, the parts of a complex value, the
-reinterpretation of a complex tensor as pairs of reals (`view_as_real`) and back, and the three
-FFT kernels autograd records (`_fft_r2c`, `_fft_c2r`, `_fft_c2c`), which stay library calls.
+reinterpretation of a complex tensor as pairs of reals (`view_as_real`) and back, and the FFT
+kernels the backwards of `_fft_r2c`, `_fft_c2r` and `_fft_c2c` call (an r2c and a c2c), which stay
+library calls.
 
-Every result is a fresh tensor without torch's lazy conjugate bit: a program value is plain
-memory, whatever backend reads it.
+No result carries torch's lazy conjugate bit: a program value is plain memory, whatever backend
+reads it.
 """
 
 from __future__ import annotations
@@ -80,20 +81,31 @@ def _complex(re, im):
     return torch.complex(re.to(dtype), im.to(dtype))
 
 
-@register_op("view_as_real", EXTERN, lambda ts, a: [ts[0].with_(shape=ts[0].shape + (2,), dtype=real_dtype(ts[0].dtype))])
-def _view_as_real(x):
-    return torch.view_as_real(x.resolve_conj()).clone()
+# The two reinterpretations are views, as in torch: the fused backends cross between a complex
+# tensor and its interleaved pairs of reals with them at no cost (passes/complex_split.py).
 
 
 @register_op(
-    "view_as_complex", EXTERN, lambda ts, a: [ts[0].with_(shape=ts[0].shape[:-1], dtype=complex_dtype(ts[0].dtype))]
+    "view_as_real", EXTERN, lambda ts, a: [ts[0].with_(shape=ts[0].shape + (2,), dtype=real_dtype(ts[0].dtype))], view=True
+)
+def _view_as_real(x):
+    return torch.view_as_real(x.resolve_conj())
+
+
+def _viewable_as_complex(x) -> bool:
+    """torch.view_as_complex's condition: pairs adjacent, every other stride even, offset even."""
+    return x.stride(-1) == 1 and all(s % 2 == 0 for s in x.stride()[:-1]) and x.storage_offset() % 2 == 0
+
+
+@register_op(
+    "view_as_complex", EXTERN, lambda ts, a: [ts[0].with_(shape=ts[0].shape[:-1], dtype=complex_dtype(ts[0].dtype))], view=True
 )
 def _view_as_complex(x):
-    return torch.view_as_complex(x.contiguous()).clone()
+    return torch.view_as_complex(x if _viewable_as_complex(x) else x.contiguous())
 
 
 # ---------------------------------------------------------------------------------------------
-# The FFT kernels autograd records. `normalization` is aten's enum: 0 none, 1 by 1/sqrt(n), 2 by 1/n.
+# The FFT kernels the FFT backwards call. `normalization` is aten's enum: 0 none, 1 by 1/sqrt(n), 2 by 1/n.
 
 
 @register_op("fft_c2c", EXTERN)
@@ -104,8 +116,3 @@ def _fft_c2c(x, *, dim, normalization, forward):
 @register_op("fft_r2c", EXTERN)
 def _fft_r2c(x, *, dim, normalization, onesided):
     return aten._fft_r2c(x, list(dim), normalization, onesided)
-
-
-@register_op("fft_c2r", EXTERN)
-def _fft_c2r(x, *, dim, normalization, last_dim_size):
-    return aten._fft_c2r(x, list(dim), normalization, last_dim_size)

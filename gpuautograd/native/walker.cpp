@@ -1415,6 +1415,25 @@ int64_t post_hook_count(py::object node) {
   return static_cast<int64_t>(reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata->post_hooks().size());
 }
 
+// The geometry (sizes, strides, storage offset) of as_strided's input, which autograd keeps in C++
+// only: as_strided's backward depends on it. The native key holds it (the node's generated reader
+// reads every field), so a plan captured under this walker may depend on it. None for other nodes.
+py::object as_strided_geometry(py::object node) {
+  PyObject* obj = node.ptr();
+  TORCH_CHECK(torch::autograd::THPCppFunction_Check(obj), "as_strided_geometry: not a C++ autograd node");
+  Node* n = reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata.get();
+  const at::TensorGeometry* g = nullptr;
+  if (auto* a = dynamic_cast<torch::autograd::generated::AsStridedBackward0*>(n)) {
+    g = &a->self_geometry;
+  } else if (auto* c = dynamic_cast<torch::autograd::generated::AsStridedBackward0_copy*>(n)) {
+    g = &c->self_geometry;
+  }
+  if (g == nullptr) {
+    return py::none();
+  }
+  return py::make_tuple(g->sizes().vec(), g->strides().vec(), g->storage_offset());
+}
+
 std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs,
                                  const std::vector<std::optional<at::Tensor>>& grads) {
   auto w = std::make_unique<NativeWalk>();
@@ -1578,6 +1597,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("implicit_grad", &implicit_grad, "loss.backward()'s implicit gradient of `out`, or None where torch's general path decides.");
   m.def("loss_grad", &loss_grad, "loss.backward()'s implicit gradient where the short entry may take it (native walker on, no global state), else None.");
   m.def("walk_lookup", &walk_lookup, "walk(), NativeWalk.match() and PlanCache.get() in one call: (the walk, the cached entry for its key or None).");
+  m.def("as_strided_geometry", &as_strided_geometry, "(sizes, strides, storage offset) of an AsStridedBackward0 node's input, else None.");
   m.def("post_hook_count", &post_hook_count, "The number of C++ post hooks of a C++ autograd node.");
   m.def("deliver", &deliver_to_python_nodes, "LeafDelivery for the Python walk's node list.");
   m.def("walk", &walk,

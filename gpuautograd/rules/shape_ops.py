@@ -527,6 +527,21 @@ def unfold_backward(b, node, grads):
     return [acc if acc is not None else _zeros(b, sizes, grad)]
 
 
+@register("UnfoldBackwardBackward0", complex=True)
+def unfold_backward_backward(b, node, grads):
+    # grad_in: grad.unfold(dim, size, step): window w's element k reads position w * step + k
+    grad = grads[0]
+    if grad.ndim == 0:
+        raise NotImplementedError("the unfold of a 0-d gradient")
+    dim, size, step = norm_dim(node.saved("dim"), grad.ndim), node.saved("size"), node.saved("step")
+    windows = (grad.shape[dim] - size) // step + 1
+    starts = b.reshape(b.mul(_arange(b, windows, grad.device), step), (windows, 1))
+    positions = b.add(starts, b.reshape(_arange(b, size, grad.device), (1, size)))
+    windowed = b.index(grad, [None] * dim + [positions])  # (..., windows, size, ...)
+    order = [*range(dim + 1), *range(dim + 2, grad.ndim + 1), dim + 1]
+    return [b.permute(windowed, order)]
+
+
 def _block_shape(t) -> tuple[int, int] | None:
     """The (rows, cols) block of one block_diag input: a 0-d tensor is 1x1, a 1-d one a row."""
     if t is None:
@@ -575,14 +590,53 @@ def narrow_copy_backward(b, node, grads):
     return [b.slice_scatter(_zeros(b, sizes, grad), grad, dim, start, start + node.saved("length"))]
 
 
-@register("AsStridedBackward0", "AsStridedBackward0_copy")
+@register("AsStridedBackward0", "AsStridedBackward0_copy", complex=True)
 def as_strided_backward(b, node, grads):
-    # self: as_strided_backward(grad, TensorGeometry(self), size, stride, storage_offset)
+    # self: as_strided_backward(grad, TensorGeometry(self), size, stride, storage_offset):
+    #   scatter-add grad into a zero "storage" at the output's positions, then read the storage
+    #   back at the input's positions (both relative to the smaller of the two offsets)
     # Which input element each output element aliases follows from the input's strides and storage
-    # offset, which autograd keeps in C++ only (a Python walk can't see them): no layout is provable.
-    raise NotImplementedError(
-        f"{node.name}: the gradient depends on the strides and storage offset of the input, which autograd keeps in C++ only"
-    )
+    # offset, which autograd keeps in C++ only: the native walker reads them (and its key guards
+    # them); under the Python walker no layout is provable and the node runs live.
+    geometry = node.input_geometry()
+    if geometry is None:
+        raise NotImplementedError(
+            "the gradient depends on the strides and storage offset of the input, which autograd keeps "
+            "in C++ only (the native walker reads them)"
+        )
+    in_size, in_stride, in_offset = (tuple(x) if isinstance(x, (list, tuple)) else x for x in geometry)
+    grad = grads[0]
+    size, stride = tuple(node.saved("size")), tuple(node.saved("stride"))
+    offset = node.saved("storage_offset")
+    offset = in_offset if offset is None else offset
+    if _numel(in_size) == 0 or _numel(size) == 0:
+        return [_zeros(b, in_size, grad)]
+    if _may_overlap(in_size, in_stride):
+        # torch divides by how often each position is read, and gives NaN outside the input's reach
+        raise NotImplementedError("the input's geometry overlaps itself")
+    shared = min(in_offset, offset)
+    storage_size = max(_storage_extent(in_size, in_stride, in_offset - shared), _storage_extent(size, stride, offset - shared))
+    storage = b.full((storage_size,), 0, grad.dtype, grad.device)
+    out_positions = b.reshape(_strided_positions(b, size, stride, offset - shared, grad.device), (-1,))
+    storage = b.index_put(storage, [out_positions], b.reshape(grad, (-1,)), True)
+    return [b.index(storage, [_strided_positions(b, in_size, in_stride, in_offset - shared, grad.device)])]
+
+
+def _storage_extent(size, stride, offset: int) -> int:
+    """_min_storage_size: one past the last position a geometry reaches."""
+    return offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))
+
+
+def _may_overlap(size, stride) -> bool:
+    """_maybe_overlapping_memory: dims of size > 1 sorted by stride, each stride must exceed the
+    extent of the dims below it."""
+    dims = sorted((st, n) for n, st in zip(size, stride) if n > 1)
+    extent = 0
+    for st, n in dims:
+        if st <= extent:
+            return True
+        extent += (n - 1) * st
+    return False
 
 
 def _strided_positions(b, size, stride, offset: int, device):

@@ -28,6 +28,7 @@ from ..ir.program import Program, Value
 from ..ir.types import TensorType
 from ..ir.verifier import verify
 from ..passes import optimize
+from ..passes.complex_split import split_complex
 from ..passes.decompose import decompose_composites
 from . import stats as stats_module
 from .accumulate import AddInPlace, accumulate_grad, retain_grad
@@ -426,6 +427,7 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
         w, py_key, root_edges, input_edges = prepare(native_w.roots, grads, native_w.inputs, accumulate, key[0])
         if w.hook_reason:
             raise Fallback(w.hook_reason)
+        w.native_key = True
     refused = _note_miss(w, key, py_key)
     if refused is not None:
         return refused
@@ -520,7 +522,7 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
     except EagerOnly as e:
         return Entry(program=None, compiled=None, fallback_reason=str(e))
     if backend in FUSED_BACKENDS:  # fusion wants the steps of each composite backward kernel
-        program = decompose_composites(program)
+        program = split_complex(decompose_composites(program))  # kernels compute on reals only
     program = optimize(program, stats_module.STATS.pass_seconds)
     verify(program)
     arg_plan = [(spec.kind, spec.index) for _, spec in program.inputs]

@@ -27,7 +27,7 @@ from .memory import Interval, MemoryPlan, plan_memory
 from .reference import inline_view, local_name
 
 # Library calls that may hand back their input: what they read must not live in the arena.
-MAY_ALIAS_INPUT = {"opaque", "to_device"}
+MAY_ALIAS_INPUT = {"opaque", "to_device", "view_as_real", "view_as_complex"}
 # Library calls that can write into a planned buffer (`out=`), so their results join the arena.
 WRITES_INTO = {"mm": "torch.mm", "bmm": "torch.bmm"}
 

@@ -32,6 +32,8 @@ ODD = {
     "moe": dict(batch=3, seq=13, d_model=24),
     "lstm-lm": dict(batch=3, seq=13, d_model=20),
     "gnn": dict(nodes=37, edges=101),
+    "stft-loss": dict(batch=3, samples=203),
+    "fno": dict(batch=3, size=13),
 }
 
 

@@ -8,7 +8,7 @@ import gpuautograd
 from bench.models import SUITE
 from tests.helpers import assert_close, train_side_by_side
 
-FAMILIES = ["mlp", "cnn", "gpt", "gpt-manual-attn", "llama", "moe", "lstm-lm", "gnn"]
+FAMILIES = ["mlp", "cnn", "gpt", "gpt-manual-attn", "llama", "moe", "lstm-lm", "gnn", "stft-loss", "fno"]
 
 pytestmark = pytest.mark.usefixtures("walker")  # every case with both walkers (tests/conftest.py)
 
@@ -25,7 +25,7 @@ def test_model_family_matches_eager_float64(name):
     assert s["captures"] == 1 and s["cache_hits"] == 3, s
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "moe", "lstm-lm", "gnn"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "moe", "lstm-lm", "gnn", "stft-loss", "fno"])
 def test_model_family_matches_eager_float32(name):
     model, make_batch, loss_fn = SUITE[name](dtype=torch.float32)
     loss = loss_fn(model, *make_batch(torch.Generator().manual_seed(0)))

@@ -73,6 +73,11 @@ def zoo():
     yield "embedding_bag", bag.pow(2).sum()
     log_probs = _leaf(6, 2, 4).log_softmax(2)
     yield "ctc", F.ctc_loss(log_probs, torch.tensor([[1, 2], [3, 3]]), [6, 5], [2, 2])
+    w = torch.randn(4, dtype=torch.complex128, requires_grad=True)
+    spectrum = torch.fft.rfft(x) * w
+    waves = torch.fft.irfft(torch.fft.fft(spectrum).conj() / (1 + 2j), n=7)
+    parts = torch.view_as_complex(torch.stack([x, y], -1)).exp().abs() + torch.complex(x, y).imag
+    yield "complex", waves.pow(2).sum() + torch.view_as_real(spectrum).sum() + parts.sum()
     lstm = torch.nn.LSTM(7, 3)  # float32 on the CPU: oneDNN's fused layer
     yield "onednn_lstm", lstm(x.float()[None])[0].sum()
     grid = (torch.rand(1, 3, 4, 2, dtype=torch.float64) * 2 - 1).requires_grad_()

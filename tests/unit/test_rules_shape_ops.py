@@ -302,26 +302,42 @@ def test_upsample_is_one_kernel_call():
     assert program.count("upsample_backward") == 1 and "upsample_bilinear2d_backward" in program
 
 
-# -- as_strided: declined, runs as the live node ----------------------------------------------
+# -- as_strided: functional where the native walker reads the input's geometry -----------------
 
 
 AS_STRIDED = [
-    (
-        "AsStridedBackward0",
-        "strides and storage offset",
-        lambda x, s: x.t().as_strided((4, 5), (1, 7), 2),
-    ),  # the transposed view's strides matter
-    ("AsStridedBackward0_copy", "strides and storage offset", lambda x, s: torch.as_strided_copy(x.t(), (4, 5), (1, 7), 2)),
-    ("AsStridedScatterBackward0", "fails gradcheck", lambda x, s: torch.as_strided_scatter(x, s, (4, 5), (1, 7), 2)),  # self needs grad
+    ("AsStridedBackward0", lambda x, s: x.t().as_strided((4, 5), (1, 7), 2)),  # the transposed view's strides matter
+    ("AsStridedBackward0_copy", lambda x, s: torch.as_strided_copy(x.t(), (4, 5), (1, 7), 2)),
+    ("AsStridedBackward0", lambda x, s: (x * 2).as_strided((5, 4), (3, 1), 4)),  # overlapping windows
+    ("AsStridedBackward0", lambda x, s: x[1:].as_strided((2, 3), (5, 2))),  # the input's own offset
 ]
 
 
-@pytest.mark.parametrize("node, reason, fn", AS_STRIDED, ids=[n for n, _, _ in AS_STRIDED])
-def test_as_strided_declines_and_runs_opaque(node, reason, fn):
+@pytest.mark.parametrize("node, fn", AS_STRIDED)
+def test_as_strided_is_functional_with_the_native_walker_and_runs_opaque_without(node, fn, monkeypatch):
+    from gpuautograd import native
+
     x, s = rand(7, 13), rand(4, 5)
+    if native.load() is not None:
+        out = fn(x, s)
+        assert gpuautograd.explain([out], [torch.ones_like(out)]).opaque_nodes == []
+        check_grads(fn, x, s)
+    monkeypatch.setenv("GPUAUTOGRAD_NATIVE", "0")  # the Python walker: autograd keeps the geometry in C++ only
     out = fn(x, s)
     report = gpuautograd.explain([out], [torch.ones_like(out)])
-    assert report.opaque_nodes == [node] and reason in str(report)
+    assert report.opaque_nodes == [node] and "strides and storage offset" in str(report)
+    check_grads(fn, x, s, allow_opaque=True)
+
+
+def test_as_strided_scatter_self_declines_and_runs_opaque():
+    x, s = rand(7, 13), rand(4, 5)
+
+    def fn(x, s):
+        return torch.as_strided_scatter(x, s, (4, 5), (1, 7), 2)
+
+    out = fn(x, s)
+    report = gpuautograd.explain([out], [torch.ones_like(out)])
+    assert report.opaque_nodes == ["AsStridedScatterBackward0"] and "fails gradcheck" in str(report)
     check_grads(fn, x, s, allow_opaque=True)
 
 

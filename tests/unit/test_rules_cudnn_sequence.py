@@ -348,6 +348,7 @@ def _shape_only(input, weight, weight_stride0, weight_buf, hx, cx, *rest):
     )
 
 
+@pytest.mark.usefixtures("walker")  # both walkers read its saved weight list and undefined tensors
 @pytest.mark.parametrize("mode", ["LSTM", "GRU"])
 def test_real_cudnn_rnn_node_on_meta(mode, monkeypatch):
     monkeypatch.setattr(extern_sequence_ops, "CUDNN_RNN_BACKWARD", _shape_only)

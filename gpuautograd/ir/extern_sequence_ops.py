@@ -135,3 +135,82 @@ def _mkldnn_rnn_layer_backward(
     targets = (input, weight1, weight2, weight3, weight4, hx, cx)
     # `to` only where the dtype differs: seven no-op casts per layer cost 13 us, the test 2 us
     return tuple(g if g.dtype is t.dtype else g.to(t.dtype) for g, t in zip(outs, targets))
+
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN's recurrent layers (torch's CUDA LSTM, GRU and RNN): the whole stack in one kernel
+
+# The kernel the op calls, looked up at each call: a CPU build has the op's schema but no kernel
+# for it, so the CPU tests put a stand-in with the same signature here.
+CUDNN_RNN_BACKWARD = aten._cudnn_rnn_backward
+
+# The op's optional slots, in order (`present` says which hold a tensor). weight_buf is the
+# forward's result4, which cuDNN always returns; only the meta kernel leaves it undefined.
+CUDNN_RNN_OPTIONAL = ("weight_buf", "cx", "dropout_state", "grad_output", "grad_hy", "grad_cy")
+
+
+def _cudnn_rnn_infer(ts, attrs):
+    """Each gradient has its tensor's type; None where `output_mask` does not ask for it, and for
+    cx where there is none (GRU, RNN). aten._cudnn_rnn_backward has no meta kernel to infer from."""
+    n = attrs["num_weights"]
+    input, hx = ts[0], ts[1]
+    weights = ts[4 : 4 + n]
+    _, cx, *_ = _fill_absent(ts[4 + n :], attrs["present"])
+    mask = attrs["output_mask"]
+    return [input if mask[0] else None, hx if mask[1] else None, cx if mask[2] else None] + [w if mask[3] else None for w in weights]
+
+
+@register_op("cudnn_rnn_backward", EXTERN, _cudnn_rnn_infer)
+def _cudnn_rnn_backward(
+    input,
+    hx,
+    output,
+    reserve,
+    *rest,
+    num_weights,
+    present,
+    weight_stride0,
+    mode,
+    hidden_size,
+    proj_size,
+    num_layers,
+    batch_first,
+    dropout,
+    train,
+    bidirectional,
+    batch_sizes,
+    output_mask,
+):
+    """(grad input, grad hx, grad cx, *grad weights). `rest` holds the `num_weights` weights, then
+    the present ones of CUDNN_RNN_OPTIONAL. The kernel writes into the reserve space (its input
+    pass leaves state there for the weight pass), so it gets a copy: the program's values are never
+    written, whether the graph is retained, the plan replayed or the node run live after all."""
+    weights, optional = list(rest[:num_weights]), rest[num_weights:]
+    weight_buf, cx, dropout_state, grad_output, grad_hy, grad_cy = _fill_absent(optional, present)
+    dx, dhx, dcx, dw = CUDNN_RNN_BACKWARD(
+        input,
+        weights,
+        weight_stride0,
+        weight_buf,
+        hx,
+        cx,
+        output,
+        grad_output,
+        grad_hy,
+        grad_cy,
+        mode,
+        hidden_size,
+        proj_size,
+        num_layers,
+        batch_first,
+        dropout,
+        train,
+        bidirectional,
+        list(batch_sizes),
+        dropout_state,
+        reserve.clone(),
+        list(output_mask),
+    )
+    grad_weights = tuple(dw) if output_mask[3] else (None,) * num_weights
+    grad_cx = dcx if output_mask[2] and cx is not None else None
+    return (dx if output_mask[0] else None, dhx if output_mask[1] else None, grad_cx) + grad_weights

@@ -3,7 +3,8 @@
 Programs are captured from real graphs (the model suite and a zoo of small graphs) and then run
 one instruction at a time; each result must have exactly the shape and dtype the instruction
 recorded at capture. Every op of the table must be exercised here, except the CUDA-only ones,
-whose inference is checked against torch's meta kernels in the nn rule tests.
+whose inference is checked against torch's meta kernels in the nn rule tests (cudnn_rnn_backward,
+which has none, against its CPU stand-in in test_rules_cudnn_sequence.py).
 """
 
 import pytest
@@ -16,7 +17,7 @@ from gpuautograd.ir.program import Value
 from gpuautograd.passes.decompose import decompose_composites
 from gpuautograd.runtime import engine
 
-CUDA_ONLY = {"sdpa_efficient_backward", "sdpa_flash_backward", "sdpa_cudnn_backward", "to_device"}
+CUDA_ONLY = {"sdpa_efficient_backward", "sdpa_flash_backward", "sdpa_cudnn_backward", "cudnn_rnn_backward", "to_device"}
 
 
 class Cube(torch.autograd.Function):

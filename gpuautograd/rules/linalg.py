@@ -1,9 +1,11 @@
 """Backward rules of matrix and vector products: mm, addmm, bmm, baddbmm, addbmm, mv, addmv,
 addr, dot, vdot; and cdist (one aten kernel per side).
 
-Real dtypes only: the formulas in derivatives.yaml conjugate the other factor, which is the
-identity for real tensors. A complex product is refused with a clear error rather than given a
-wrong gradient. (torch.matmul has no node of its own: it decomposes into View/Mm/Bmm/UnsafeView.)
+Complex values follow derivatives.yaml: the other factor enters conjugated (`mat2.mH()`,
+`vec.conj()`) and so do the scalars (`alpha.conj()`, `beta.conj()`); `b.conj` is the identity on
+real values and real scalars, so the real formulas are unchanged. cdist has no complex backward in
+torch: its rule stays real-only. (torch.matmul has no node of its own: it decomposes into
+View/Mm/Bmm/UnsafeView.)
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ def _real(node, *values) -> None:
 
 
 def _scaled(b, x, factor):
-    """maybe_multiply(x, factor): skip the multiply when the factor is 1."""
-    return x if factor == 1 else b.mul(x, factor)
+    """maybe_multiply(x, factor.conj()): skip the multiply when the factor is 1."""
+    return x if factor == 1 else b.mul(x, b.conj(factor))
 
 
 def _mT(b, x):
     return b.transpose(x, -2, -1)
+
+
+def _mH(b, x):
+    return b.conj(_mT(b, x))
 
 
 def _outer(b, u, v):
@@ -36,7 +42,8 @@ def _mv(b, mat, vec):
 
 
 def _beta_self(b, node, grad):
-    """For beta * self + alpha * product: the gradient of `self` (input 0), grad * beta, and alpha."""
+    """For beta * self + alpha * product: the gradient of `self` (input 0), grad * beta.conj(), and
+    alpha (which _scaled conjugates)."""
     alpha, beta = node.saved("alpha"), node.saved("beta")
     return (_scaled(b, grad, beta) if node.needs(0) else None), alpha
 
@@ -55,74 +62,73 @@ def _column_major(node, name: str) -> bool:
 def _product_grads(b, node, grad, product, left: str, right: str, first: int, alpha=1) -> list:
     """The gradients of `alpha * product(left, right)` (product: b.mm or b.bmm) with respect to
     its two saved factors, which are the node's inputs `first` and `first + 1`:
-    left: grad.product(right^T) * alpha;  right: left^T.product(grad) * alpha
-    (for a column-major 2-D factor, the same product computed transposed, as torch does)."""
+    left: grad.product(right^H) * alpha.conj();  right: left^H.product(grad) * alpha.conj()
+    (for a column-major 2-D factor, the same product computed transposed, as torch does:
+    (right.conj() grad^T)^T and (grad^T left.conj())^T)."""
     grad_left = grad_right = None
     if node.needs(first):
         r = node.saved(right)
         if product == b.mm and _column_major(node, left):
-            grad_left = _mT(b, b.mm(r, _mT(b, grad)))
+            grad_left = _mT(b, b.mm(b.conj(r), _mT(b, grad)))
         else:
-            grad_left = product(grad, _mT(b, r))
+            grad_left = product(grad, _mH(b, r))
         grad_left = _scaled(b, grad_left, alpha)
     if node.needs(first + 1):
         lft = node.saved(left)
         if product == b.mm and _column_major(node, right):
-            grad_right = _mT(b, b.mm(_mT(b, grad), lft))
+            grad_right = _mT(b, b.mm(_mT(b, grad), b.conj(lft)))
         else:
-            grad_right = product(_mT(b, lft), grad)
+            grad_right = product(_mH(b, lft), grad)
         grad_right = _scaled(b, grad_right, alpha)
     return [grad_left, grad_right]
 
 
 def _mv_grads(b, node, grad, mat: str, first: int, alpha=1) -> list:
     """The gradients of `alpha * mat.mv(vec)` with respect to the saved `mat` and `vec`, the node's
-    inputs `first` and `first + 1`:  mat: grad.ger(vec) * alpha;  vec: mat.t().mv(grad) * alpha."""
-    grad_mat = _scaled(b, _outer(b, grad, node.saved("vec")), alpha) if node.needs(first) else None
-    grad_vec = _scaled(b, _mv(b, _mT(b, node.saved(mat)), grad), alpha) if node.needs(first + 1) else None
+    inputs `first` and `first + 1`:  mat: grad.ger(vec.conj()) * alpha.conj();
+    vec: mat.t().conj().mv(grad) * alpha.conj()."""
+    grad_mat = _scaled(b, _outer(b, grad, b.conj(node.saved("vec"))), alpha) if node.needs(first) else None
+    grad_vec = _scaled(b, _mv(b, _mH(b, node.saved(mat)), grad), alpha) if node.needs(first + 1) else None
     return [grad_mat, grad_vec]
 
 
-@register("MmBackward0")
+@register("MmBackward0", complex=True)
 def mm_backward(b, node, grads):
-    # self: grad.mm(mat2.t());  mat2: self.t().mm(grad)
+    # self: grad.mm(mat2.mH());  mat2: self.mH().mm(grad)  (mm_mat1_backward / mm_mat2_backward)
     (grad,) = grads
-    _real(node, grad)
     # torch saves `mat2` only when self needs a gradient and `self` only when mat2 does
     return _product_grads(b, node, grad, b.mm, "self", "mat2", 0)
 
 
-@register("AddmmBackward0")
+@register("AddmmBackward0", complex=True)
 def addmm_backward(b, node, grads):
-    # self: grad * beta;  mat1: grad.mm(mat2.t()) * alpha;  mat2: mat1.t().mm(grad) * alpha
+    # self: grad * beta.conj();  mat1: grad.mm(mat2.mH()) * alpha.conj();  mat2: mat1.mH().mm(grad) * alpha.conj()
     (grad,) = grads
-    _real(node, grad)
     grad_self, alpha = _beta_self(b, node, grad)
     return [grad_self, *_product_grads(b, node, grad, b.mm, "mat1", "mat2", 1, alpha)]
 
 
-@register("BmmBackward0")
+@register("BmmBackward0", complex=True)
 def bmm_backward(b, node, grads):
-    # self: grad.bmm(mat2.transpose(1, 2));  mat2: self.transpose(1, 2).bmm(grad)
+    # self: grad.bmm(mat2.transpose(1, 2).conj());  mat2: self.transpose(1, 2).conj().bmm(grad)
     (grad,) = grads
-    _real(node, grad)
     return _product_grads(b, node, grad, b.bmm, "self", "mat2", 0)
 
 
-@register("BaddbmmBackward0")
+@register("BaddbmmBackward0", complex=True)
 def baddbmm_backward(b, node, grads):
-    # self: grad * beta;  batch1: grad.bmm(batch2.transpose(1, 2)) * alpha;  batch2: batch1.transpose(1, 2).bmm(grad) * alpha
+    # self: grad * beta.conj();  batch1: grad.bmm(batch2.transpose(1, 2).conj()) * alpha.conj();
+    # batch2: batch1.transpose(1, 2).conj().bmm(grad) * alpha.conj()
     (grad,) = grads
-    _real(node, grad)
     grad_self, alpha = _beta_self(b, node, grad)
     return [grad_self, *_product_grads(b, node, grad, b.bmm, "batch1", "batch2", 1, alpha)]
 
 
-@register("AddbmmBackward0")
+@register("AddbmmBackward0", complex=True)
 def addbmm_backward(b, node, grads):
-    # self: grad * beta;  batch1: grad.expand(B, n, p).bmm(batch2.transpose(1, 2)) * alpha;  batch2: batch1.transpose(1, 2).bmm(grad.expand(B, n, p)) * alpha
+    # self: grad * beta.conj();  batch1: grad.expand(B, n, p).bmm(batch2.transpose(1, 2).conj()) * alpha.conj();
+    # batch2: batch1.transpose(1, 2).conj().bmm(grad.expand(B, n, p)) * alpha.conj()
     (grad,) = grads
-    _real(node, grad)
     grad_self, alpha = _beta_self(b, node, grad)
     if not (node.needs(1) or node.needs(2)):
         return [grad_self, None, None]
@@ -131,41 +137,45 @@ def addbmm_backward(b, node, grads):
     return [grad_self, *_product_grads(b, node, per_batch, b.bmm, "batch1", "batch2", 1, alpha)]
 
 
-@register("MvBackward0")
+@register("MvBackward0", complex=True)
 def mv_backward(b, node, grads):
-    # self: grad.ger(vec);  vec: self.t().mv(grad)
+    # self: grad.ger(vec.conj());  vec: self.conj().t().mv(grad)
     (grad,) = grads
-    _real(node, grad)
     return _mv_grads(b, node, grad, "self", 0)
 
 
-@register("AddmvBackward0")
+@register("AddmvBackward0", complex=True)
 def addmv_backward(b, node, grads):
-    # self: grad * beta;  mat: grad.ger(vec) * alpha;  vec: mat.t().mv(grad) * alpha
+    # self: grad * beta.conj();  mat: grad.ger(vec.conj()) * alpha.conj();  vec: mat.t().conj().mv(grad) * alpha.conj()
     (grad,) = grads
-    _real(node, grad)
     grad_self, alpha = _beta_self(b, node, grad)
     return [grad_self, *_mv_grads(b, node, grad, "mat", 1, alpha)]
 
 
-@register("AddrBackward0")
+@register("AddrBackward0", complex=True)
 def addr_backward(b, node, grads):
-    # self: grad * beta;  vec1: grad.mv(vec2) * alpha;  vec2: grad.t().mv(vec1) * alpha
+    # self: grad * beta.conj();  vec1: grad.mv(vec2.conj()) * alpha.conj();  vec2: grad.t().mv(vec1.conj()) * alpha.conj()
     (grad,) = grads
-    _real(node, grad)
     grad_self, alpha = _beta_self(b, node, grad)
-    grad_vec1 = _scaled(b, _mv(b, grad, node.saved("vec2")), alpha) if node.needs(1) else None
-    grad_vec2 = _scaled(b, _mv(b, _mT(b, grad), node.saved("vec1")), alpha) if node.needs(2) else None
+    grad_vec1 = _scaled(b, _mv(b, grad, b.conj(node.saved("vec2"))), alpha) if node.needs(1) else None
+    grad_vec2 = _scaled(b, _mv(b, _mT(b, grad), b.conj(node.saved("vec1"))), alpha) if node.needs(2) else None
     return [grad_self, grad_vec1, grad_vec2]
 
 
-@register("DotBackward0", "VdotBackward0")
+@register("DotBackward0", complex=True)
 def dot_backward(b, node, grads):
-    # dot: self: grad * tensor, tensor: grad * self;  vdot (real): self: grad * other, other: grad * self  (grad is 0-dim)
+    # self: grad * tensor.conj();  tensor: grad * self.conj()  (grad is 0-dim)
     (grad,) = grads
-    _real(node, grad)
-    other = "tensor" if node.name == "DotBackward0" else "other"
-    grad_self = b.mul(grad, node.saved(other)) if node.needs(0) else None
+    grad_self = b.mul(grad, b.conj(node.saved("tensor"))) if node.needs(0) else None
+    grad_other = b.mul(grad, b.conj(node.saved("self"))) if node.needs(1) else None
+    return [grad_self, grad_other]
+
+
+@register("VdotBackward0", complex=True)
+def vdot_backward(b, node, grads):
+    # vdot(self, other) = sum(self.conj() * other).  self: grad.conj() * other;  other: grad * self
+    (grad,) = grads
+    grad_self = b.mul(b.conj(grad), node.saved("other")) if node.needs(0) else None
     grad_other = b.mul(grad, node.saved("self")) if node.needs(1) else None
     return [grad_self, grad_other]
 

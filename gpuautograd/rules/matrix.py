@@ -1,8 +1,9 @@
 """Matrix helpers of the linalg backward rules, in IR: batched products, transposes, identity and
 triangle masks, diagonals. Each is mm / bmm or pointwise, so the formulas built from them fuse.
 
-Real dtypes only (mH is mT, conj is the identity): the rules refuse complex inputs with
-`require_real`, and the node then runs opaque, still correct.
+Complex values: `mH` is the conjugate transpose (`b.conj` is the identity on real values, so a
+real formula written with it costs nothing). A rule that is not written for complex values
+refuses them with `require_real`, and the node then runs opaque, still correct.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ def require_real(node, *values) -> None:
 
 def mT(b, x):
     return b.transpose(x, -2, -1)
+
+
+def mH(b, x):
+    """The conjugate transpose x^H (x^T for a real x)."""
+    return b.conj(mT(b, x))
 
 
 def matmul(b, x, y):

@@ -137,15 +137,24 @@ def test_addr(dtype, bias_shape, alpha, beta):
     check_node(fn, bias, rand(7, dtype=dtype), rand(13, dtype=dtype), node="AddrBackward0")
 
 
-def test_complex_product_is_refused_by_the_rule():
-    # the rules do not conjugate: handed complex values, a rule must raise, never emit a wrong formula
+def test_complex_product_rule_conjugates_the_other_factor():
+    # handed complex values, the mm rule writes derivatives.yaml's conjugated formula: each
+    # factor's gradient is a product with the conjugate transpose of the other factor
     b = Builder()
-    c64 = TensorType((3, 2), torch.complex128, torch.device("cpu"))
-    grad = b.input(c64, InputSpec("grad", 0))
-    mat = b.input(c64.with_(shape=(2, 2)), InputSpec("saved", 0))
-    node = NodeView("MmBackward0", {"self": mat, "mat2": mat}, [c64], [c64.with_(shape=(3, 2))] * 2, [True, True])
-    with pytest.raises(NotImplementedError, match="complex"):
-        lookup("MmBackward0")(b, node, [grad])
+    c128 = TensorType((3, 2), torch.complex128, torch.device("cpu"))
+    grad = b.input(c128, InputSpec("grad", 0))
+    self_ = b.input(c128, InputSpec("saved", 0))
+    mat2 = b.input(c128.with_(shape=(2, 2)), InputSpec("saved", 1))
+    node = NodeView("MmBackward0", {"self": self_, "mat2": mat2}, [c128], [c128, c128.with_(shape=(2, 2))], [True, True])
+    grad_self, grad_mat2 = lookup("MmBackward0")(b, node, [grad])
+    assert grad_self.dtype == grad_mat2.dtype == torch.complex128
+    assert sum(i.op == "conj" for i in b.program.instrs) == 2, [i.op for i in b.program.instrs]
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64])
+@pytest.mark.parametrize("shape_a,shape_b", [((7, 13), (13, 5)), ((2, 7, 13), (13, 5)), ((7, 13), (13,)), ((2, 1, 7, 13), (3, 13, 5))])
+def test_complex_matmul_compositions(dtype, shape_a, shape_b):
+    check_grads(torch.matmul, rand(*shape_a, dtype=dtype, noncontiguous=True), rand(*shape_b, dtype=dtype))
 
 
 # -- compositions: torch.matmul and F.linear go through view nodes around Mm/Bmm/Addmm ------------

@@ -2,7 +2,7 @@
 
 Triton has no complex type, so a kernel cannot load, compute or store a complex value. This pass
 rewrites every complex instruction that has a real-pair form (arithmetic, conjugation, parts,
-`where`, casts, `exp`, `abs`, layout ops, sums, scatters into slices) into the same work on a
+`where`, casts, `exp`, `abs`, `==` / `!=`, layout ops, sums, scatters into slices) into the same work on a
 real part and an imaginary part, which fuse like any real values. A complex value crosses into
 pairs through `view_as_real` (a view on the host: the kernel reads the interleaved pairs through
 their strides) and back through `view_as_complex` of the two parts stacked on a last dim of 2
@@ -154,6 +154,11 @@ class _Splitter:
         if op == "complex":
             (ar, _), (cr, _) = pairs
             return ar, cr
+        if op in ("eq", "ne"):
+            (ar, ai), (cr, ci) = pairs
+            same_im = None if ai is None and ci is None else b.eq(0.0 if ai is None else ai, 0.0 if ci is None else ci)
+            same = b.eq(ar, cr) if same_im is None else b.logical_and(b.eq(ar, cr), same_im)
+            return (same if op == "eq" else b.logical_not(same)), None
         if op in ("real", "imag", "abs") and not out.dtype.is_complex:
             ((ar, ai),) = pairs
             if op == "real":

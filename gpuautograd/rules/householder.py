@@ -1,8 +1,9 @@
-"""Backward rule of ormqr: the product of a matrix with the Householder matrix Q of a geqrf
-factorization. Real and complex dtypes.
+"""Backward rules of the Householder products: linalg.householder_product (the first n columns of
+Q = H_1 ... H_k) and ormqr (the product of a matrix with Q, as geqrf's reflectors give it). Real
+and complex dtypes.
 
-torch's ormqr_backward hands the reflectors' part to householder_product_backward, a loop over the
-k reflectors of rank-one updates. Here the same derivative comes in closed form, from the compact
+torch's backward of both is householder_product_backward, a loop over the k reflectors of rank-one
+updates. Here the same derivative comes in closed form, from the compact
 WY representation of the product of reflectors (LAPACK's larft):
 
     Q = H_1 ... H_k = I - V T V^H,   H_i = I - tau_i v_i v_i^H,
@@ -17,8 +18,9 @@ T never divides by tau. With G the gradient of Q, the adjoint of each product is
     gtau = diag(Z) + diag(gM N^H)
     gself = tril(gV, -1) (zero outside the first k columns)
 
-all mm / bmm, triangles and one triangular solve; the gradient of `other` is ormqr itself with the
-transpose flipped, one extern call.
+all mm / bmm, triangles and two triangular solves. For householder_product, G is the incoming
+gradient padded with zero columns to m x m; for ormqr it is a product of the incoming gradient and
+`other`, and the gradient of `other` is ormqr itself with the transpose flipped, one extern call.
 """
 
 from __future__ import annotations
@@ -53,6 +55,27 @@ def _householder_adjoint(b, reflectors, tau, G):
     return g_reflectors, g_tau
 
 
+def _require_floating(node, *values) -> None:
+    for v in values:
+        if not (v.dtype.is_complex or v.dtype.is_floating_point):
+            raise NotImplementedError(f"{node.name}: only floating and complex dtypes are supported, got {v.dtype}")
+
+
+@register("LinalgHouseholderProductBackward0", complex=True)
+def linalg_householder_product_backward(b, node, grads):
+    # input, tau: householder_product_backward(grad, result, input, tau)
+    grad = grads[0]
+    if grad is None:
+        return [None, None]
+    reflectors, tau = node.saved("input"), node.saved("tau")
+    _require_floating(node, reflectors, tau, grad)
+    if tau.shape[-1] == 0 or reflectors.type.numel() == 0:
+        return [None, None]  # torch's backward gives no gradient there
+    m, n = grad.shape[-2:]
+    G = grad if n == m else b.cat([grad, b.zeros(grad.type.with_(shape=grad.shape[:-1] + (m - n,)))], -1)
+    return list(_householder_adjoint(b, reflectors, tau, G))
+
+
 @register("OrmqrBackward0", complex=True)
 def ormqr_backward(b, node, grads):
     # self, input2, input3: ormqr_backward(grad, result, self, input2, input3, left, transpose, grad_input_mask)
@@ -64,9 +87,7 @@ def ormqr_backward(b, node, grads):
         return [None, None, None]
     reflectors, tau, other = node.saved("self"), node.saved("input2"), node.saved("input3")
     left, transpose = node.saved("left"), node.saved("transpose")
-    for v in (reflectors, tau, other, grad):
-        if not (v.dtype.is_complex or v.dtype.is_floating_point):
-            raise NotImplementedError(f"{node.name}: only floating and complex dtypes are supported, got {v.dtype}")
+    _require_floating(node, reflectors, tau, other, grad)
     g_other = b.emit("ormqr", reflectors, tau, grad, left=left, transpose=not transpose) if node.needs(2) else None
     g_reflectors = g_tau = None
     if (node.needs(0) or node.needs(1)) and tau.shape[-1] > 0 and reflectors.type.numel() > 0:

@@ -1,5 +1,6 @@
-"""The decompositions' backward rules on complex values (svd, eigh, eig, qr, cholesky, ormqr),
-against torch.autograd on the reference executor, in complex128 and complex64.
+"""The decompositions' backward rules on complex values (svd, eigh, eig, qr, cholesky,
+householder_product, ormqr), against torch.autograd on the reference executor, in complex128 and
+complex64.
 
 Inputs are well conditioned by construction, as in test_rules_decompositions.py: svd / eigh / eig
 matrices get a spectrum spaced 0.5 apart from random unitary factors, Hermitian positive definite
@@ -182,6 +183,20 @@ for left in (True, False):
             )
         )
 CASES += [
+    Case(
+        "householder_product_tall",
+        "LinalgHouseholderProductBackward0",
+        torch.linalg.householder_product,
+        lambda d: _geqrf_and(2, 6, 4, other=(1,))(d)[:2],
+        COMPLEX,
+    ),
+    Case(
+        "householder_product_random_tau",
+        "LinalgHouseholderProductBackward0",
+        lambda a, t: torch.linalg.householder_product(a, t),
+        lambda d: (_leaf(torch.randn(5, 4, dtype=d)), _leaf(0.3 * torch.randn(3, dtype=d))),
+        COMPLEX,
+    ),
     Case("ormqr_square", "OrmqrBackward0", lambda r, t, c: torch.ormqr(r, t, c), _geqrf_and(5, 5, other=(5, 2)), COMPLEX),
     Case(
         "ormqr_wide_reflectors",

@@ -260,6 +260,15 @@ for left in (True, False):
                 lambda d, left=left: [*_geqrf(2, 6, 4)(d), randn(2, 6, 3)(d) if left else randn(2, 3, 6, nc=True)(d)],
             )
         )
+CASES += [
+    Case("householder_product_tall", "LinalgHouseholderProductBackward0", torch.linalg.householder_product, _geqrf(2, 6, 4)),
+    Case(
+        "householder_product_fewer_reflectors",
+        "LinalgHouseholderProductBackward0",
+        lambda r, t: torch.linalg.householder_product(r, t[..., :2]),
+        _geqrf(5, 5),
+    ),
+]
 CASES.append(
     Case("ormqr_wide_reflectors", "OrmqrBackward0", lambda r, t, c: torch.ormqr(r, t, c), lambda d: [*_geqrf(4, 6)(d), randn(4, 5)(d)])
 )

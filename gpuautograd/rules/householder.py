@@ -3,8 +3,8 @@ Q = H_1 ... H_k) and ormqr (the product of a matrix with Q, as geqrf's reflector
 and complex dtypes.
 
 torch's backward of both is householder_product_backward, a loop over the k reflectors of rank-one
-updates. Here the same derivative comes in closed form, from the compact
-WY representation of the product of reflectors (LAPACK's larft):
+updates. Here the same derivative comes in closed form, from the compact WY representation of the
+product of reflectors (LAPACK's larft):
 
     Q = H_1 ... H_k = I - V T V^H,   H_i = I - tau_i v_i v_i^H,
     T = (I + D N)^{-1} D,   D = diag(tau),   N = triu(V^H V, 1),

@@ -1,9 +1,9 @@
 """The one table of IR ops, and how a row gets into it.
 
 Each op module registers its rows here (`ops` the primitive ops, `composite_ops`, `extern_ops`,
-`extern_sequence_ops`, `linalg_ops` the others); the package's `__init__` imports every one of them,
-so that the table is whole before anything reads it. Imports point one way: an op module imports
-this registry, nothing here imports an op module.
+`extern_sequence_ops`, `linalg_ops`, `decomposition_ops`, `complex_ops` the others); the package's
+`__init__` imports every one of them, so that the table is whole before anything reads it. Imports
+point one way: an op module imports this registry, nothing here imports an op module.
 """
 
 from __future__ import annotations

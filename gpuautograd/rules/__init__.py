@@ -4,6 +4,7 @@ from . import (  # noqa: F401 - each family module registers its rules on import
     activations,
     complex,
     decompositions,
+    householder,
     indexing,
     linalg,
     losses,

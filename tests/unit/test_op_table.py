@@ -63,6 +63,9 @@ def zoo():
     yield "linalg_solves", solves + torch.cholesky_solve(y[:4, :2], tri).sum()
     yield "cdist", torch.cdist(x, y[:3], p=1.0).sum()
     yield "lstsq", torch.linalg.lstsq(a[:, :3], y[:4, :2]).solution.sum()
+    yield "eig", torch.view_as_real(torch.linalg.eigvals(a + 4 * torch.eye(4, dtype=torch.float64))).sum()
+    reflectors, tau = (t.requires_grad_() for t in torch.geqrf(torch.randn(5, 3, dtype=torch.float64)))
+    yield "ormqr", torch.ormqr(reflectors, tau, y[:, :2]).pow(2).sum()
     yield (
         "lu_solve",
         torch.linalg.lu_solve(*torch.linalg.lu_factor(a + 4 * torch.eye(4, dtype=torch.float64)), y[:4, :3], adjoint=True).sum(),

@@ -227,7 +227,51 @@ CASES += [
     ),
     Case("cholesky_ex", "LinalgCholeskyExBackward0", lambda a: torch.linalg.cholesky_ex(a).L, make(spd(3, 4, 4))),
     Case("cholesky_legacy_upper", "CholeskyBackward0", lambda a: torch.cholesky(a, upper=True), make(spd(5, 5))),
+    # eig of a real matrix: complex eigenpairs, a real gradient (the losses do not depend on the
+    # eigenvectors' phases, which torch's backward requires)
+    Case("eigvals", "LinalgEigBackward0", lambda a: torch.view_as_real(torch.linalg.eigvals(a)), make(general(5, 5))),
+    Case(
+        "eig_batched_nc",
+        "LinalgEigBackward0",
+        lambda a: (torch.view_as_real(torch.linalg.eig(a).eigenvalues), torch.linalg.eig(a).eigenvectors.abs()),
+        make(general(2, 4, 4, nc=True)),
+    ),
 ]
+
+
+def _geqrf(*shape):
+    """A maker of geqrf's (reflectors, tau) of a random matrix, as leaves."""
+
+    def make_inputs(d):
+        reflectors, tau = torch.geqrf(torch.randn(*shape, dtype=d))
+        return [_leaf(reflectors), _leaf(tau)]
+
+    return make_inputs
+
+
+# ormqr: the product with geqrf's Q, from either side, transposed or not
+for left in (True, False):
+    for transpose in (False, True):
+        CASES.append(
+            Case(
+                f"ormqr_{'left' if left else 'right'}{'_T' if transpose else ''}",
+                "OrmqrBackward0",
+                lambda r, t, c, left=left, transpose=transpose: torch.ormqr(r, t, c, left=left, transpose=transpose),
+                lambda d, left=left: [*_geqrf(2, 6, 4)(d), randn(2, 6, 3)(d) if left else randn(2, 3, 6, nc=True)(d)],
+            )
+        )
+CASES += [
+    Case("householder_product_tall", "LinalgHouseholderProductBackward0", torch.linalg.householder_product, _geqrf(2, 6, 4)),
+    Case(
+        "householder_product_fewer_reflectors",
+        "LinalgHouseholderProductBackward0",
+        lambda r, t: torch.linalg.householder_product(r, t[..., :2]),
+        _geqrf(5, 5),
+    ),
+]
+CASES.append(
+    Case("ormqr_wide_reflectors", "OrmqrBackward0", lambda r, t, c: torch.ormqr(r, t, c), lambda d: [*_geqrf(4, 6)(d), randn(4, 5)(d)])
+)
 
 
 # pairwise distances: aten's cdist backward kernel, one call per side
@@ -302,9 +346,9 @@ def test_det_of_empty_matrices_gives_what_eager_gives(shape):
 
 
 def test_every_linalg_node_has_a_case():
-    from gpuautograd.rules import decompositions, lu, solves
+    from gpuautograd.rules import decompositions, householder, lu, solves
 
-    modules = {decompositions.__name__, lu.__name__, solves.__name__}
+    modules = {decompositions.__name__, householder.__name__, lu.__name__, solves.__name__}
     from . import test_rules_coverage
 
     registered = {name for name, fn in gpuautograd.rules.RULES.items() if fn.__module__ in modules} | {"CdistBackward0"}

@@ -5,12 +5,12 @@ and how much of it runs functionally (no opaque node, no eager fallback).
                              [--out FILE.json] [--top N]
 
 Every OpInfo of torch's `op_db` that supports autograd gives its sample inputs (requires_grad=True)
-in each dtype it differentiates on the CPU: float64, and complex128 where it has complex backward; each sample's forward runs once, then its backward runs under
-gpuautograd (the reference executor) and under torch.autograd with the same random incoming
-gradients. A sample is
+in each dtype it differentiates on the CPU: float64, and complex128 where it has a complex backward.
+Each sample's forward runs once, then its backward runs under gpuautograd (the reference
+executor) and under torch.autograd with the same random incoming gradients. A sample is
 
-- "correct" when every gradient matches torch's within the float64 tolerance of
-  gpuautograd.tolerances for the sample's dtype (NaN where torch gives NaN counts as agreement); a zero gradient where
+- "correct" when every gradient matches torch's within the tolerance of gpuautograd.tolerances
+  for the sample's dtype (NaN where torch gives NaN counts as agreement); a zero gradient where
   the other side gives none agrees in value and is counted correct, and apart ("zero-vs-none":
   `.grad` would be zeros instead of None),
 - "functional" when every gradient matches exactly so, its captured program has no opaque node
@@ -245,8 +245,10 @@ def print_report(summary: dict) -> None:
     print(f"| wrong gradients | {s['wrong']} | |")
     print(f"| errors | {s['errors']} | |")
     for d, row in s.get("by_dtype", {}).items():
-        print(f"| {d}: correct / functional of {row['samples']} | {row['correct']} / {row['functional']} | "
-              f"{100 * row['correct_share']:.1f}% / {100 * row['functional_share']:.1f}% |")
+        print(
+            f"| {d}: correct / functional of {row['samples']} | {row['correct']} / {row['functional']} | "
+            f"{100 * row['correct_share']:.1f}% / {100 * row['functional_share']:.1f}% |"
+        )
     if s["top_opaque"]:
         print("\n| opaque node | samples | ops (first few) |")
         print("|---|---|---|")

@@ -43,7 +43,9 @@ def fusible_reason(instr: Instr) -> str | None:
         return "an empty result needs no kernel"
     if any(isinstance(x, Value) and isinstance(x.type, TensorType) and x.type.numel() == 0 for x in instr.inputs):
         return "an empty operand"
-    if any(o.dtype.is_complex for o in outs) or any(isinstance(x, Value) and isinstance(x.type, TensorType) and x.dtype.is_complex for x in instr.inputs):
+    if any(o.dtype.is_complex for o in outs) or any(
+        isinstance(x, Value) and isinstance(x.type, TensorType) and x.dtype.is_complex for x in instr.inputs
+    ):
         return "complex values"  # what passes/complex_split.py left whole: kernels hold reals only
     if op in VIEW_LAYOUT or op in WHERE_OPS or op in ("sum", "full", "arange"):
         return None

@@ -85,9 +85,7 @@ def _complex(re, im):
 # tensor and its interleaved pairs of reals with them at no cost (passes/complex_split.py).
 
 
-@register_op(
-    "view_as_real", EXTERN, lambda ts, a: [ts[0].with_(shape=ts[0].shape + (2,), dtype=real_dtype(ts[0].dtype))], view=True
-)
+@register_op("view_as_real", EXTERN, lambda ts, a: [ts[0].with_(shape=ts[0].shape + (2,), dtype=real_dtype(ts[0].dtype))], view=True)
 def _view_as_real(x):
     return torch.view_as_real(x.resolve_conj())
 
@@ -97,9 +95,7 @@ def _viewable_as_complex(x) -> bool:
     return x.stride(-1) == 1 and all(s % 2 == 0 for s in x.stride()[:-1]) and x.storage_offset() % 2 == 0
 
 
-@register_op(
-    "view_as_complex", EXTERN, lambda ts, a: [ts[0].with_(shape=ts[0].shape[:-1], dtype=complex_dtype(ts[0].dtype))], view=True
-)
+@register_op("view_as_complex", EXTERN, lambda ts, a: [ts[0].with_(shape=ts[0].shape[:-1], dtype=complex_dtype(ts[0].dtype))], view=True)
 def _view_as_complex(x):
     return torch.view_as_complex(x if _viewable_as_complex(x) else x.contiguous())
 

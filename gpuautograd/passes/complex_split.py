@@ -156,9 +156,11 @@ class _Splitter:
             return ar, cr
         if op in ("eq", "ne"):
             (ar, ai), (cr, ci) = pairs
-            same_im = None if ai is None and ci is None else b.eq(0.0 if ai is None else ai, 0.0 if ci is None else ci)
-            same = b.eq(ar, cr) if same_im is None else b.logical_and(b.eq(ar, cr), same_im)
-            return (same if op == "eq" else b.logical_not(same)), None
+            compare, combine = (b.eq, b.logical_and) if op == "eq" else (b.ne, b.logical_or)
+            parts = compare(ar, cr)
+            if ai is not None or ci is not None:
+                parts = combine(parts, compare(0.0 if ai is None else ai, 0.0 if ci is None else ci))
+            return parts, None
         if op in ("real", "imag", "abs") and not out.dtype.is_complex:
             ((ar, ai),) = pairs
             if op == "real":

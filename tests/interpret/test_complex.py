@@ -11,7 +11,10 @@ import pytest
 import torch
 
 import gpuautograd
+from gpuautograd.ir.builder import Builder
 from gpuautograd.ir.ops import POINTWISE, get_op
+from gpuautograd.ir.program import InputSpec, OutputSpec, Value
+from gpuautograd.ir.types import TensorType
 from gpuautograd.passes.complex_split import split_complex
 from tests.helpers import check_grads, params, rand, run_case
 from tests.unit.test_rules_complex import CASES
@@ -68,3 +71,35 @@ def test_a_real_program_is_left_alone():
     x = rand(3, 4)
     program = gpuautograd.explain((x.exp() * 2).sum()).program
     assert split_complex(program) is program
+
+
+def _evaluate(program, args):
+    """Run a program op by op through the table's reference implementations."""
+    env = {id(v): a for (v, _), a in zip(program.inputs, args)}
+    for instr in program.instrs:
+        out = get_op(instr.op).impl(*[env[id(x)] if isinstance(x, Value) else x for x in instr.inputs], **instr.attrs)
+        for o, t in zip(out if isinstance(out, tuple) else (out,), instr.outputs):
+            env[id(t)] = o
+    return [env[id(v)] for v, _ in program.outputs]
+
+
+def test_comparisons_of_complex_values_split_into_their_parts():
+    b = Builder()
+    t = TensorType((6,), torch.complex128, torch.device("cpu"))
+    x, y = b.input(t, InputSpec("grad", 0, "x")), b.input(t, InputSpec("grad", 1, "y"))
+    same, differ = b.eq(x, y), b.ne(x, b.mul(y, 1j))
+    b.output(b.where(same, b.real(x), b.where(differ, b.emit("imag", y), -1.0)), OutputSpec("input", 0, "out"))
+    split = split_complex(b.program)
+    assert {"eq", "ne"} <= {i.op for i in split.instrs}
+    assert not any(i.op in ("eq", "ne") and any(_complex(x) for x in i.inputs) for i in split.instrs)
+    xs = torch.randn(6, dtype=torch.complex128)
+    ys = xs.clone()
+    ys[1::2] = torch.randn(3, dtype=torch.complex128)
+    ys[2] = xs[2].real.item()  # equal real parts only
+    ys[4] = xs[4] / 1j  # y * 1j == x there
+    (expected,), (actual,) = _evaluate(b.program, [xs, ys]), _evaluate(split, [xs, ys])
+    torch.testing.assert_close(actual, expected)
+
+
+def _complex(x) -> bool:
+    return isinstance(x, Value) and x.dtype.is_complex

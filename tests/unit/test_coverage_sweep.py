@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("expecttest", reason="torch's OpInfo database imports expecttest (pip install expecttest)")
 
+import torch  # noqa: E402
+
 from bench import coverage  # noqa: E402
 from gpuautograd.rules.registry import RULES  # noqa: E402
-
-import torch  # noqa: E402
 
 OPS = ["linalg.inv", "linalg.det", "mul"]
 REAL = (torch.float64,)
@@ -66,7 +66,9 @@ def test_main_writes_the_summary_as_json(tmp_path, capsys):
     assert coverage.main(["--ops", "mul", "--samples-per-op", "2", "--out", str(out)]) == 0
     s = json.loads(out.read_text())
     assert s["samples"] == 4 and s["functional"] == 4 and s["functional_share"] == 1.0
-    assert s["by_dtype"] == {d: dict(samples=2, correct=2, functional=2, correct_share=1.0, functional_share=1.0) for d in ("complex128", "float64")}
+    assert s["by_dtype"] == {
+        d: dict(samples=2, correct=2, functional=2, correct_share=1.0, functional_share=1.0) for d in ("complex128", "float64")
+    }
     printed = capsys.readouterr().out
     assert "| functional (no opaque node) | 4 | 100.0% |" in printed and "| complex128: correct / functional of 2 | 2 / 2 |" in printed
 

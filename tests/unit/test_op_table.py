@@ -81,7 +81,8 @@ def zoo():
     spectrum = torch.fft.rfft(x) * w
     waves = torch.fft.irfft(torch.fft.fft(spectrum).conj() / (1 + 2j), n=7)
     parts = torch.view_as_complex(torch.stack([x, y], -1)).exp().abs() + torch.complex(x, y).imag
-    yield "complex", waves.pow(2).sum() + torch.view_as_real(spectrum).sum() + parts.sum()
+    sign, logabsdet = torch.linalg.slogdet(torch.randn(3, 3, dtype=torch.complex128).requires_grad_())
+    yield "complex", waves.pow(2).sum() + torch.view_as_real(spectrum).sum() + parts.sum() + (sign * logabsdet).abs()
     lstm = torch.nn.LSTM(7, 3)  # float32 on the CPU: oneDNN's fused layer
     yield "onednn_lstm", lstm(x.float()[None])[0].sum()
     grid = (torch.rand(1, 3, 4, 2, dtype=torch.float64) * 2 - 1).requires_grad_()

@@ -191,13 +191,17 @@ def i0_backward(b, node, grads):
     return [b.mul(grads[0], b.special_i1(node.saved("self")))]
 
 
-@register("SincBackward0")
+@register("SincBackward0", complex=True)
 def sinc_backward(b, node, grads):
-    # x_pi = self * pi; where(self * self * pi == 0, 0, grad * (x_pi * cos(x_pi) - sin(x_pi)) / (self * self * pi))
+    # x_pi = self * pi; where(self * self * pi == 0, 0, grad * ((x_pi * cos(x_pi) - sin(x_pi)) / (self * self * pi)).conj())
     x = node.saved("self")
     x_pi = b.mul(x, math.pi)
     squared_pi = b.mul(b.mul(x, x), math.pi)
-    out = b.div(b.mul(grads[0], b.sub(b.mul(x_pi, b.cos(x_pi)), b.sin(x_pi))), squared_pi)
+    slope = b.sub(b.mul(x_pi, b.cos(x_pi)), b.sin(x_pi))
+    if x.dtype.is_complex:
+        out = b.mul(grads[0], b.conj(b.div(slope, squared_pi)))
+    else:
+        out = b.div(b.mul(grads[0], slope), squared_pi)
     return [b.where(b.eq(squared_pi, 0.0), 0.0, out)]
 
 

@@ -62,15 +62,19 @@ def _cumprod_with_dtype_backward_raises() -> bool:
     return False
 
 
-@register("LogcumsumexpBackward0")
+@register("LogcumsumexpBackward0", complex=True)
 def logcumsumexp_backward(b, node, grads):
     # self: logcumsumexp_backward(grad, self, result, dim): with lg+ = log(grad) where grad > 0 (else
-    #       the lowest value) and lg- likewise for -grad: exp(rev_lcse(lg+ - result) + self) - exp(rev_lcse(lg- - result) + self)
+    #       the lowest value) and lg- likewise for -grad: exp(rev_lcse(lg+ - result) + self) - exp(rev_lcse(lg- - result) + self);
+    #       complex: no split by sign, exp(rev_lcse(log(grad.conj()) - result) + self).conj()
     x, out = node.saved("self"), node.saved("result")
     g = grads[0]
     dim = node.saved("dim") % max(x.ndim, 1)
     if g.ndim == 0 or g.type.numel() == 0:
         return [g]
+    if g.dtype.is_complex:
+        logs = b.sub(b.log(b.conj(g)), out)
+        return [b.conj(b.exp(b.add(_scan(b, "logcumsumexp", logs, dim, reverse=True), x)))]
     lowest = torch.finfo(g.dtype).min
     log_abs = b.log(b.where(b.lt(g, 0), b.neg(g), g))
 

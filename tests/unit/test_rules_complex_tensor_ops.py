@@ -1,4 +1,4 @@
-"""Complex values through the tensor-op rules: norms, prod, logsumexp, dist, the cumulative ops,
+"""Complex values through the tensor-op rules: norms, prod, logsumexp, dist, the scans,
 pow, the inverse trigonometric / hyperbolic functions and the other unary math, var / std, the
 multi-input pointwise ops, and the data-movement rules (repeat, rot90, roll, diagonals, masked
 select, put / take, indexing, gather / scatter, unfold, im2col / col2im, padding, splits),
@@ -91,6 +91,8 @@ SCANS = [
     Case("cumsum-dim0", "CumsumBackward0", lambda x: x.cumsum(0), cleaf(5, 3), COMPLEX),
     Case("cumprod", "CumprodBackward0", lambda x: x.cumprod(1), cleaf(5, 7, nc=True), COMPLEX),
     Case("cumprod-zeros", "CumprodBackward0", lambda x: x.cumprod(1), with_zeros(3, 7, at=(2, 9, 11, 19)), COMPLEX),
+    Case("logcumsumexp", "LogcumsumexpBackward0", lambda x: torch.logcumsumexp(x, 1), cleaf(5, 7, nc=True), COMPLEX),
+    Case("logcumsumexp-dim0", "LogcumsumexpBackward0", lambda x: torch.logcumsumexp(x, 0), cleaf(5, 3), COMPLEX),
 ]
 
 POW = [
@@ -121,6 +123,7 @@ UNARY = [
         ("log2", "Log2Backward0", torch.log2),
         ("log10", "Log10Backward0", torch.log10),
         ("sgn", "SgnBackward0", torch.sgn),
+        ("sinc", "SincBackward0", torch.sinc),
     ]
 ]
 

@@ -45,6 +45,8 @@ def fusible_reason(instr: Instr) -> str | None:
         return "an empty operand"
     if any(o.dtype.is_complex for o in outs):
         return "complex values"
+    if any(isinstance(x, Value) and isinstance(x.type, TensorType) and x.dtype.is_complex for x in instr.inputs):
+        return "complex values"  # |z|, z == 0, real(z): a real result read from complex memory
     if op in VIEW_LAYOUT or op in WHERE_OPS or op in ("sum", "full", "arange"):
         return None
     if op == "scatter":

@@ -207,3 +207,14 @@ REAL_TO_COMPLEX = [
 @pytest.mark.parametrize("case,dtype", params(REAL_TO_COMPLEX))
 def test_real_leaves_through_complex_tensor_ops(case, dtype):
     run_case(case, dtype)
+
+
+# The fused backends leave complex values to library calls; an instruction that reads complex
+# memory for a real result (|z|, z == 0 in prod / cumprod / the norms) must not land in a
+# generated kernel either (Triton has no complex type). On the CPU, Triton's interpreter.
+FUSED = ["prod-one-zero", "prod-dim-keepdim-zeros", "cumprod-zeros", "vector_norm-inf", "vector_norm-0.5", "dist-1-broadcast", "sgn", "var"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in FUSED], ids=lambda c: c.id)
+def test_complex_inputs_stay_out_of_generated_kernels(case):
+    run_case(case, torch.complex128, backend="interpret")

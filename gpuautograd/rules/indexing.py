@@ -13,7 +13,7 @@ from .registry import register
 from .views import norm_dim, self_sizes_and_dim
 
 
-@register("IndexBackward0")
+@register("IndexBackward0", complex=True)
 def index_backward(b, node, grads):
     # self: index_backward(grad.new_zeros_symint(self.sym_sizes()), indices, grad)
     #       = zeros(self.sizes).index_put_(indices, grad, accumulate=True)
@@ -23,7 +23,7 @@ def index_backward(b, node, grads):
     return [b.index_put(base, list(node.saved("indices")), grad, accumulate=True)]
 
 
-@register("IndexSelectBackward0")
+@register("IndexSelectBackward0", complex=True)
 def index_select_backward(b, node, grads):
     # self: index_select_backward_symint(grad, self.sym_sizes(), dim, index)
     #       = zeros(self.sizes).index_add_(dim, index, grad)
@@ -44,7 +44,7 @@ def index_select_backward(b, node, grads):
     return [b.cast(out, grad.dtype) if low else out]
 
 
-@register("GatherBackward0")
+@register("GatherBackward0", complex=True)
 def gather_backward(b, node, grads):
     # self: gather_backward(grad, self, dim, index, sparse_grad)
     #       = zeros_like(self).scatter_add(dim, index, grad)   (dense gradients only)
@@ -57,7 +57,7 @@ def gather_backward(b, node, grads):
     return [b.scatter_add(base, norm_dim(node.saved("dim"), max(grad.ndim, 1)), index, grad)]
 
 
-@register("ScatterAddBackward0")
+@register("ScatterAddBackward0", complex=True)
 def scatter_add_backward(b, node, grads):
     # self: grad;  src: grad.gather(dim, index)
     grad = grads[0]
@@ -67,7 +67,7 @@ def scatter_add_backward(b, node, grads):
     return [grad, src]
 
 
-@register("ScatterBackward0")
+@register("ScatterBackward0", complex=True)
 def scatter_src_backward(b, node, grads):
     # self: grad.scatter(dim, index, 0);  src: grad.gather(dim, index)
     grad = grads[0]
@@ -78,7 +78,7 @@ def scatter_src_backward(b, node, grads):
     return [self_grad, src_grad]
 
 
-@register("ScatterBackward1")
+@register("ScatterBackward1", complex=True)
 def scatter_value_backward(b, node, grads):
     # self: grad.scatter(dim, index, 0)
     grad = grads[0]
@@ -95,7 +95,7 @@ def _flat(b, x):
     return b.reshape(x, (-1,))
 
 
-@register("TakeBackward0")
+@register("TakeBackward0", complex=True)
 def take_backward(b, node, grads):
     # self: take_backward(grad, self, index) = zeros_like(self).put_(index, grad, accumulate=True)
     grad, self_ = grads[0], node.saved("self")
@@ -103,7 +103,7 @@ def take_backward(b, node, grads):
     return [b.reshape(b.index_put(base, [_flat(b, node.saved("index"))], _flat(b, grad), accumulate=True), self_.shape)]
 
 
-@register("PutBackward0")
+@register("PutBackward0", complex=True)
 def put_backward(b, node, grads):
     # self: accumulate ? grad : grad.put(index, zeros_like(source), false)
     # source: grad.take(index).reshape_as(source)

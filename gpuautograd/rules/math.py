@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..ir.builder import normalize_dims
-from .pointwise import opmath, scaled, zeros_for
+from .pointwise import opmath, scaled, sgn, zeros_for
 from .reductions import reduced_dims, restore_reduced_dims
 from .registry import register
 
@@ -56,11 +56,15 @@ def _ratio(numerator: float, denominator: float) -> float:
 # Inverse trigonometric and hyperbolic functions
 
 
-@register("AtanBackward0")
+# Complex values: derivatives.yaml conjugates each factor (the conjugate Wirtinger derivative);
+# b.conj is the identity on real values, so the real programs are unchanged.
+
+
+@register("AtanBackward0", complex=True)
 def atan_backward(b, node, grads):
-    # self: grad / (self * self + 1)
+    # self: grad / (self * self + 1).conj()
     x = node.saved("self")
-    return [b.div(grads[0], b.add(b.mul(x, x), 1))]
+    return [b.div(grads[0], b.conj(b.add(b.mul(x, x), 1)))]
 
 
 @register("Atan2Backward0")
@@ -76,59 +80,62 @@ def atan2_backward(b, node, grads):
     return [gx, gy]
 
 
-@register("AsinBackward0")
+@register("AsinBackward0", complex=True)
 def asin_backward(b, node, grads):
-    # self: grad * (-self * self + 1).rsqrt()
+    # self: grad * (-self * self + 1).rsqrt().conj()
     x = node.saved("self")
-    return [b.mul(grads[0], b.pow(b.sub(1, b.mul(x, x)), -0.5))]
+    return [b.mul(grads[0], b.conj(b.pow(b.sub(1, b.mul(x, x)), -0.5)))]
 
 
-@register("AcosBackward0")
+@register("AcosBackward0", complex=True)
 def acos_backward(b, node, grads):
-    # self: grad * -((-self * self + 1).rsqrt())
+    # self: grad * -((-self * self + 1).rsqrt()).conj()
     x = node.saved("self")
-    return [b.mul(grads[0], b.neg(b.pow(b.sub(1, b.mul(x, x)), -0.5)))]
+    return [b.mul(grads[0], b.neg(b.conj(b.pow(b.sub(1, b.mul(x, x)), -0.5))))]
 
 
-@register("SinhBackward0")
+@register("SinhBackward0", complex=True)
 def sinh_backward(b, node, grads):
-    # self: grad * self.cosh(); cosh = (exp(x) + exp(-x)) / 2 has no cancellation
+    # self: grad * self.cosh().conj(); cosh = (exp(x) + exp(-x)) / 2 has no cancellation
     x = opmath(b, node.saved("self"))
     cosh = b.mul(b.add(b.exp(x), b.exp(b.neg(x))), 0.5)
-    return [b.mul(opmath(b, grads[0]), cosh)]
+    return [b.mul(opmath(b, grads[0]), b.conj(cosh))]
 
 
-@register("CoshBackward0")
+@register("CoshBackward0", complex=True)
 def cosh_backward(b, node, grads):
-    # self: grad * self.sinh()
-    return [b.mul(grads[0], b.sinh(node.saved("self")))]
+    # self: grad * self.sinh().conj()
+    return [b.mul(grads[0], b.conj(b.sinh(node.saved("self"))))]
 
 
-@register("TanBackward0")
+@register("TanBackward0", complex=True)
 def tan_backward(b, node, grads):
-    # self: grad * (1 + result.pow(2))
+    # self: grad * (1 + result.pow(2)).conj()
     r = node.saved("result")
-    return [b.mul(grads[0], b.add(b.mul(r, r), 1))]
+    return [b.mul(grads[0], b.conj(b.add(b.mul(r, r), 1)))]
 
 
-@register("AtanhBackward0")
+@register("AtanhBackward0", complex=True)
 def atanh_backward(b, node, grads):
-    # self: grad * 1 / (1 - self.pow(2))
+    # self: grad * 1 / (1 - self.pow(2)).conj()
     x = node.saved("self")
-    return [b.div(grads[0], b.sub(1, b.mul(x, x)))]
+    return [b.div(grads[0], b.conj(b.sub(1, b.mul(x, x))))]
 
 
-@register("AsinhBackward0")
+@register("AsinhBackward0", complex=True)
 def asinh_backward(b, node, grads):
-    # self: grad * (self.pow(2) + 1).rsqrt()
+    # self: grad * (self.pow(2) + 1).rsqrt().conj()
     x = node.saved("self")
-    return [b.mul(grads[0], b.pow(b.add(b.mul(x, x), 1), -0.5))]
+    return [b.mul(grads[0], b.conj(b.pow(b.add(b.mul(x, x), 1), -0.5)))]
 
 
-@register("AcoshBackward0")
+@register("AcoshBackward0", complex=True)
 def acosh_backward(b, node, grads):
-    # self (real): grad * (self * self - 1).rsqrt()
+    # self: real: grad * (self * self - 1).rsqrt();
+    #       complex: grad * ((self + 1).rsqrt() * (self - 1).rsqrt()).conj()  (sqrt(ab) != sqrt(a)sqrt(b) there)
     x = node.saved("self")
+    if x.dtype.is_complex:
+        return [b.mul(grads[0], b.conj(b.mul(b.pow(b.add(x, 1), -0.5), b.pow(b.sub(x, 1), -0.5))))]
     return [b.mul(grads[0], b.pow(b.sub(b.mul(x, x), 1), -0.5))]
 
 
@@ -136,22 +143,22 @@ def acosh_backward(b, node, grads):
 # Logs and exps of other bases, the erf family
 
 
-@register("Log2Backward0")
+@register("Log2Backward0", complex=True)
 def log2_backward(b, node, grads):
-    # self: grad / (self * ln 2)
-    return [b.div(grads[0], b.mul(node.saved("self"), _LN2))]
+    # self: grad / (self.conj() * ln 2)
+    return [b.div(grads[0], b.mul(b.conj(node.saved("self")), _LN2))]
 
 
-@register("Log10Backward0")
+@register("Log10Backward0", complex=True)
 def log10_backward(b, node, grads):
-    # self: grad / (self * ln 10)
-    return [b.div(grads[0], b.mul(node.saved("self"), _LN10))]
+    # self: grad / (self.conj() * ln 10)
+    return [b.div(grads[0], b.mul(b.conj(node.saved("self")), _LN10))]
 
 
-@register("Exp2Backward0")
+@register("Exp2Backward0", complex=True)
 def exp2_backward(b, node, grads):
-    # self: grad * result * ln 2
-    return [b.mul(b.mul(grads[0], node.saved("result")), _LN2)]
+    # self: grad * result.conj() * ln 2
+    return [b.mul(b.mul(grads[0], b.conj(node.saved("result"))), _LN2)]
 
 
 def _gauss(b, x):
@@ -184,13 +191,17 @@ def i0_backward(b, node, grads):
     return [b.mul(grads[0], b.special_i1(node.saved("self")))]
 
 
-@register("SincBackward0")
+@register("SincBackward0", complex=True)
 def sinc_backward(b, node, grads):
-    # x_pi = self * pi; where(self * self * pi == 0, 0, grad * (x_pi * cos(x_pi) - sin(x_pi)) / (self * self * pi))
+    # x_pi = self * pi; where(self * self * pi == 0, 0, grad * ((x_pi * cos(x_pi) - sin(x_pi)) / (self * self * pi)).conj())
     x = node.saved("self")
     x_pi = b.mul(x, math.pi)
     squared_pi = b.mul(b.mul(x, x), math.pi)
-    out = b.div(b.mul(grads[0], b.sub(b.mul(x_pi, b.cos(x_pi)), b.sin(x_pi))), squared_pi)
+    slope = b.sub(b.mul(x_pi, b.cos(x_pi)), b.sin(x_pi))
+    if x.dtype.is_complex:
+        out = b.mul(grads[0], b.conj(b.div(slope, squared_pi)))
+    else:
+        out = b.div(b.mul(grads[0], slope), squared_pi)
     return [b.where(b.eq(squared_pi, 0.0), 0.0, out)]
 
 
@@ -200,7 +211,6 @@ def sinc_backward(b, node, grads):
 
 @register(
     "SignBackward0",
-    "SgnBackward0",
     "FloorBackward0",
     "CeilBackward0",
     "RoundBackward0",
@@ -208,8 +218,21 @@ def sinc_backward(b, node, grads):
     "TruncBackward0",
 )
 def zero_backward(b, node, grads):
-    # self: zeros_like(grad) (sgn of a real tensor: an efficient zero tensor, which is zeros)
+    # self: zeros_like(grad)
     return [zeros_for(b, node, 0)]
+
+
+@register("SgnBackward0", complex=True)
+def sgn_backward(b, node, grads):
+    # self: sgn_backward(self, grad, result): real: an efficient zero tensor, which is zeros;
+    #       complex: ((grad - (result * result) * grad.conj()) / (2 * |self|)).masked_fill(|self| == 0, 0)
+    x = node.saved("self")
+    if not x.dtype.is_complex:
+        return [zeros_for(b, node, 0)]
+    g, r = grads[0], node.saved("result")
+    magnitude = b.abs(x)
+    out = b.div(b.sub(g, b.mul(b.mul(r, r), b.conj(g))), b.mul(magnitude, 2.0))
+    return [b.where(b.eq(magnitude, 0.0), 0.0, out)]
 
 
 @register("FracBackward0", "FmodBackward0", "RemainderBackward0")
@@ -288,55 +311,55 @@ def copysign_backward(b, node, grads):
 # Multi-input pointwise
 
 
-@register("LerpBackward0")
+@register("LerpBackward0", complex=True)
 def lerp_scalar_backward(b, node, grads):
-    # self: grad * (1 - weight); end: grad * weight
+    # self: grad * (1 - weight.conj()); end: grad * weight.conj()
     (g,) = grads
-    w = node.saved("weight")
+    w = b.conj(node.saved("weight"))
     return [b.mul(g, 1.0 - w) if node.needs(0) else None, b.mul(g, w) if node.needs(1) else None]
 
 
-@register("LerpBackward1")
+@register("LerpBackward1", complex=True)
 def lerp_tensor_backward(b, node, grads):
-    # self: grad * (1 - weight); end: grad * weight; weight: grad * (end - self)
+    # self: grad * (1 - weight).conj(); end: grad * weight.conj(); weight: grad * (end - self).conj()
     (g,) = grads
-    w = node.saved("weight")
+    w = b.conj(node.saved("weight"))
     gs = b.mul(g, b.sub(1, w)) if node.needs(0) else None
     ge = b.mul(g, w) if node.needs(1) else None
-    gw = b.mul(g, b.sub(node.saved("end"), node.saved("self"))) if node.needs(2) else None
+    gw = b.mul(g, b.conj(b.sub(node.saved("end"), node.saved("self")))) if node.needs(2) else None
     return [gs, ge, gw]
 
 
-@register("AddcmulBackward0")
+@register("AddcmulBackward0", complex=True)
 def addcmul_backward(b, node, grads):
-    # self: grad; tensor1: grad * (tensor2 * value); tensor2: grad * (tensor1 * value)
+    # self: grad; tensor1: grad * (tensor2 * value).conj(); tensor2: grad * (tensor1 * value).conj()
     (g,) = grads
     value = node.saved("value")
-    g1 = b.mul(g, scaled(b, node.saved("tensor2"), value)) if node.needs(1) else None
-    g2 = b.mul(g, scaled(b, node.saved("tensor1"), value)) if node.needs(2) else None
+    g1 = b.mul(g, b.conj(scaled(b, node.saved("tensor2"), value))) if node.needs(1) else None
+    g2 = b.mul(g, b.conj(scaled(b, node.saved("tensor1"), value))) if node.needs(2) else None
     return [g if node.needs(0) else None, g1, g2]
 
 
-@register("AddcdivBackward0")
+@register("AddcdivBackward0", complex=True)
 def addcdiv_backward(b, node, grads):
-    # self: grad; tensor1: grad * (value / tensor2); tensor2: -grad * (value * tensor1 / (tensor2 * tensor2))
+    # self: grad; tensor1: grad * (value / tensor2).conj(); tensor2: -grad * (value * tensor1 / (tensor2 * tensor2)).conj()
     (g,) = grads
     value = node.saved("value")
     t2 = node.saved("tensor2")
-    g1 = b.mul(g, b.div(value, t2)) if node.needs(1) else None
+    g1 = b.mul(g, b.conj(b.div(value, t2))) if node.needs(1) else None
     g2 = None
     if node.needs(2):
-        g2 = b.mul(b.neg(g), b.div(scaled(b, node.saved("tensor1"), value), b.mul(t2, t2)))
+        g2 = b.mul(b.neg(g), b.conj(b.div(scaled(b, node.saved("tensor1"), value), b.mul(t2, t2))))
     return [g if node.needs(0) else None, g1, g2]
 
 
-@register("LogaddexpBackward0")
+@register("LogaddexpBackward0", complex=True)
 def logaddexp_backward(b, node, grads):
-    # self: grad / (1 + exp(other - self)); other: grad / (1 + exp(self - other))
+    # self: grad / (1 + exp(other - self)).conj(); other: grad / (1 + exp(self - other)).conj()
     (g,) = grads
     x, y = node.saved("self"), node.saved("other")
-    gx = b.div(g, b.add(b.exp(b.sub(y, x)), 1)) if node.needs(0) else None
-    gy = b.div(g, b.add(b.exp(b.sub(x, y)), 1)) if node.needs(1) else None
+    gx = b.div(g, b.conj(b.add(b.exp(b.sub(y, x)), 1))) if node.needs(0) else None
+    gy = b.div(g, b.conj(b.add(b.exp(b.sub(x, y)), 1))) if node.needs(1) else None
     return [gx, gy]
 
 
@@ -364,7 +387,7 @@ def hypot_backward(b, node, grads):
 # cumsum and prod
 
 
-@register("CumsumBackward0")
+@register("CumsumBackward0", complex=True)
 def cumsum_backward(b, node, grads):
     # self: cumsum_backward(grad.to(self.scalar_type()), dim) = grad.flip(dim).cumsum(dim).flip(dim)
     g = b.cast(grads[0], node.output_type(0).dtype)
@@ -392,17 +415,19 @@ def _zero_count(b, x):
     return b.sum(b.cast(b.eq(x, 0), torch.int64))
 
 
-@register("ProdBackward0")
+@register("ProdBackward0", complex=True)
 def prod_backward(b, node, grads):
-    # self: prod_backward(grad, self.to(grad.scalar_type()), result): no zero in self: grad * (result / self);
-    # one zero: grad * (product of the others), over the flattened input; more zeros: zeros
+    # self: prod_backward(grad, self.to(grad.scalar_type()), result): no zero in self: grad * (result / self).conj();
+    # one zero: grad * (product of the others).conj(), over the flattened input; more zeros: zeros.
+    # Complex values: the conjugate of a product is the product of the conjugates, so the rule
+    # runs on conj(self) and conj(result).
     g = grads[0]
-    x = b.cast(node.saved("self"), g.dtype)
+    x = b.conj(b.cast(node.saved("self"), g.dtype))
     if x.ndim == 0:
         return [g]
     if x.type.numel() == 0:
         return [b.expand(g, x.shape)]
-    plain = b.mul(g, b.div(node.saved("result"), x))
+    plain = b.mul(g, b.div(b.conj(node.saved("result")), x))
     flat = b.reshape(x, (-1,))
     safe = g if flat.shape[0] == 1 else b.mul(g, _exclusive_products(b, flat, 0))
     safe = b.expand(b.reshape(safe, x.shape) if safe.ndim else safe, x.shape)
@@ -410,13 +435,13 @@ def prod_backward(b, node, grads):
     return [b.where(b.eq(zeros, 0), plain, b.where(b.gt(zeros, 1), 0.0, safe))]
 
 
-@register("ProdBackward1")
+@register("ProdBackward1", complex=True)
 def prod_dim_backward(b, node, grads):
     # self: prod_backward(grad, self.to(grad.scalar_type()), result, dim, keepdim): grad and result
-    # unsqueezed at dim; no zero anywhere in self: grad * (result / self); else grad * (product of the
-    # other elements of the slice)
+    # unsqueezed at dim; no zero anywhere in self: grad * (result / self).conj(); else grad * (product
+    # of the other elements of the slice).conj() (conj(self) and conj(result) throughout, as above)
     g = grads[0]
-    x = b.cast(node.saved("self"), g.dtype)
+    x = b.conj(b.cast(node.saved("self"), g.dtype))
     if x.ndim == 0:
         return [g]
     dim = node.saved("dim") % x.ndim
@@ -424,7 +449,7 @@ def prod_dim_backward(b, node, grads):
     g = restore_reduced_dims(b, g, (dim,), keepdim)
     if x.type.numel() == 0:
         return [b.expand(g, x.shape)]
-    result = restore_reduced_dims(b, node.saved("result"), (dim,), keepdim)
+    result = restore_reduced_dims(b, b.conj(node.saved("result")), (dim,), keepdim)
     plain = b.mul(g, b.div(result, x))
     safe = g if x.shape[dim] == 1 else b.mul(g, _exclusive_products(b, x, dim))
     return [b.where(b.eq(_zero_count(b, x), 0), plain, safe)]
@@ -435,7 +460,9 @@ def prod_dim_backward(b, node, grads):
 
 
 def _var_backward(b, g, x, dim, correction, keepdim):
-    """FunctionsManual's var_backward: (2 / (n - correction)) * grad * (self - self.mean(dim))."""
+    """FunctionsManual's var_backward: (2 / (n - correction)) * grad * (self - self.mean(dim)).
+    For complex self the same formula: the variance is real, and the conjugate Wirtinger
+    derivative of |self - mean|^2 is (self - mean)."""
     correction = 1 if correction is None else correction
     if x.ndim == 0 or dim is None:
         dof = x.type.numel() - correction
@@ -471,14 +498,14 @@ def _stat_args(node):
     return node.saved("self"), node.saved("dim"), node.saved("correction"), node.saved("keepdim")
 
 
-@register("VarBackward0")
+@register("VarBackward0", complex=True)
 def var_backward(b, node, grads):
     # self: var_backward(grad, self, dim, correction, keepdim)
     x, dim, correction, keepdim = _stat_args(node)
     return [_var_backward(b, grads[0], x, dim, correction, keepdim)]
 
 
-@register("StdBackward0")
+@register("StdBackward0", complex=True)
 def std_backward(b, node, grads):
     # self: var_backward(grad / (2 * result) (0 where result == 0), self, dim, correction, keepdim)
     x, dim, correction, keepdim = _stat_args(node)
@@ -494,7 +521,7 @@ def _sum_present(b, parts):
     return out
 
 
-@register("VarMeanBackward0")
+@register("VarMeanBackward0", complex=True)
 def var_mean_backward(b, node, grads):
     # self: var_backward(grads[0], ...) + mean_backward(grads[1], ...), each when defined
     x, dim, correction, keepdim = _stat_args(node)
@@ -510,7 +537,7 @@ def var_mean_backward(b, node, grads):
     ]
 
 
-@register("StdMeanBackward0")
+@register("StdMeanBackward0", complex=True)
 def std_mean_backward(b, node, grads):
     # self: std_backward(result0, grads[0], ...) + mean_backward(grads[1], ...), each when defined
     x, dim, correction, keepdim = _stat_args(node)
@@ -527,7 +554,9 @@ def std_mean_backward(b, node, grads):
 
 
 def _norm_backward(b, g, x, p, norm, dim, keepdim):
-    """FunctionsManual's norm_backward; `dim` () means every dim. None for p == 0 (no gradient)."""
+    """FunctionsManual's norm_backward; `dim` () means every dim. None for p == 0 (no gradient).
+    Complex self takes the same formula with sgn(self) = self / |self| for sign and the complex
+    magnitude for |self|: the norm (and so grad) is real, and nothing is conjugated."""
     p = 2.0 if p is None else float(p)
     if not keepdim and x.ndim != 0:
         g = _unsqueeze_multiple(b, g, dim, x.ndim)
@@ -535,24 +564,24 @@ def _norm_backward(b, g, x, p, norm, dim, keepdim):
     if p == 0.0:
         return None
     if p == 1.0:
-        return b.mul(b.sign(x), g)
+        return b.mul(sgn(b, x), g)
     if p == 2.0:
         return b.mul(g, b.where(b.eq(norm, 0), 0.0, b.div(x, norm)))
-    x_abs = _abs(b, x)
+    x_abs = b.abs(x) if x.dtype.is_complex else _abs(b, x)
     if math.isinf(p):
         # amax(|self|) backward, NaNs included: ties share the gradient
         mask = b.logical_or(b.eq(x_abs, norm), _isnan(b, x_abs))
         count = b.sum(b.cast(mask, torch.int64), reduced_dims(dim, x.ndim), keepdim=True)
-        return b.mul(b.sign(x), b.mul(b.div(g, count), mask))
+        return b.mul(sgn(b, x), b.mul(b.div(g, count), mask))
     if p < 1.0:
-        scaled_x = b.mul(b.sign(x), b.where(b.eq(x, 0), 0.0, b.pow(x_abs, p - 1)))
+        scaled_x = b.mul(sgn(b, x), b.where(b.eq(x, 0), 0.0, b.pow(x_abs, p - 1)))
         return b.mul(b.mul(scaled_x, g), b.pow(norm, 1 - p))
-    scaled_x = b.mul(b.sign(x), b.pow(x_abs, p - 1)) if p < 2.0 else b.mul(x, b.pow(x_abs, p - 2))
+    scaled_x = b.mul(sgn(b, x), b.pow(x_abs, p - 1)) if p < 2.0 else b.mul(x, b.pow(x_abs, p - 2))
     scale = b.where(b.eq(norm, 0), 0.0, b.div(g, b.pow(norm, p - 1)))
     return b.mul(scaled_x, scale)
 
 
-@register("LinalgVectorNormBackward0")
+@register("LinalgVectorNormBackward0", complex=True)
 def linalg_vector_norm_backward(b, node, grads):
     # self: norm_backward(grad, self, ord, result, dim or (), keepdim); the dtype argument only
     # promotes the result, which broadcasting handles
@@ -562,19 +591,22 @@ def linalg_vector_norm_backward(b, node, grads):
     return [_norm_backward(b, grads[0], x, node.saved("ord"), norm, dim, node.saved("keepdim"))]
 
 
-@register("NormBackward0", "NormBackward1", "NormBackward2", "NormBackward3")
+@register("NormBackward0", "NormBackward1", "NormBackward2", "NormBackward3", complex=True)
 def norm_backward(b, node, grads):
-    # norm.Scalar / .ScalarOpt_dim / their _dtype forms: norm_backward(grad, self.to(grad.scalar_type()),
-    # p, result[, dim, keepdim]); without dim: every dim, keepdim=True
+    # norm.Scalar / .ScalarOpt_dim: norm_backward(grad, self, p, result[, dim, keepdim]); their _dtype
+    # forms (NormBackward2, 3) cast self to grad's dtype first. Without dim: every dim, keepdim=True.
+    # (A complex self keeps its dtype in the first two: grad is real there.)
     g = grads[0]
-    x = b.cast(node.saved("self"), g.dtype)
+    x = node.saved("self")
+    if node.name in ("NormBackward2", "NormBackward3") or not x.dtype.is_complex:
+        x = b.cast(x, g.dtype)
     has_dim = node.has_saved("dim")
     dim = node.saved("dim") if has_dim else ()
     keepdim = node.saved("keepdim") if has_dim else True
     return [_norm_backward(b, g, x, node.saved("p"), node.saved("result"), dim, keepdim)]
 
 
-@register("DistBackward0")
+@register("DistBackward0", complex=True)
 def dist_backward(b, node, grads):
     # self: norm_backward(grad, self - other, p, result); other: -norm_backward(grad, self - other, p, result)
     # p = 0: norm_backward gives no gradient; torch's own node then fails on `other` (it negates
@@ -590,14 +622,14 @@ def dist_backward(b, node, grads):
     return [grad if node.needs(0) else None, b.neg(grad) if node.needs(1) else None]
 
 
-@register("LogsumexpBackward0")
+@register("LogsumexpBackward0", complex=True)
 def logsumexp_backward(b, node, grads):
-    # self: grad * (self - result).exp(), grad and result unsqueezed at dim unless keepdim
+    # self: grad * (self - result).exp().conj(), grad and result unsqueezed at dim unless keepdim
     x, g, r = node.saved("self"), grads[0], node.saved("result")
     if not node.saved("keepdim") and x.ndim != 0:
         dim = node.saved("dim")
         g, r = _unsqueeze_multiple(b, g, dim, x.ndim), _unsqueeze_multiple(b, r, dim, x.ndim)
-    return [b.mul(g, b.exp(b.sub(x, r)))]
+    return [b.mul(g, b.conj(b.exp(b.sub(x, r))))]
 
 
 @register("NansumBackward0")
@@ -624,13 +656,11 @@ def _cross(b, u, v, dim: int, shape):
     return b.cat([b.unsqueeze(p, dim) for p in parts], dim)
 
 
-@register("LinalgCrossBackward0")
+@register("LinalgCrossBackward0", complex=True)
 def linalg_cross_backward(b, node, grads):
     # self: at::linalg_cross(other.conj(), grad, dim); other: at::linalg_cross(grad, self.conj(), dim)
     g, x, y = grads[0], node.saved("self"), node.saved("other")
-    if g.dtype.is_complex:
-        raise NotImplementedError("LinalgCrossBackward0 of complex tensors (the IR has no conj)")
     dim = node.saved("dim") % g.ndim
-    gx = _cross(b, y, g, dim, g.shape) if node.needs(0) else None
-    gy = _cross(b, g, x, dim, g.shape) if node.needs(1) else None
+    gx = _cross(b, b.conj(y), g, dim, g.shape) if node.needs(0) else None
+    gy = _cross(b, g, b.conj(x), dim, g.shape) if node.needs(1) else None
     return [gx, gy]

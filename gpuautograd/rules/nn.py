@@ -208,14 +208,14 @@ def _window(node) -> dict:
     return {k: tuple(node.saved(k)) for k in ("kernel_size", "dilation", "padding", "stride")}
 
 
-@register("Im2ColBackward0")
+@register("Im2ColBackward0", complex=True)
 def im2col_backward(b, node, grads):
     # self: col2im(grad, {self.sym_size(-2), self.sym_size(-1)}, kernel_size, dilation, padding, stride)
     size = (node.saved("self_sym_argsize_minus_2"), node.saved("self_sym_argsize_minus_1"))
     return [b.emit("col2im", grads[0], output_size=size, **_window(node))]
 
 
-@register("Col2ImBackward0")
+@register("Col2ImBackward0", complex=True)
 def col2im_backward(b, node, grads):
     # self: im2col(grad, kernel_size, dilation, padding, stride)
     return [b.emit("im2col", grads[0], **_window(node))]

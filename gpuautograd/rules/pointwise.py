@@ -6,6 +6,7 @@ are left at the broadcast shape: the driver sums them back to each input's shape
 
 from __future__ import annotations
 
+import cmath
 import math
 
 import torch
@@ -136,42 +137,66 @@ def neg_backward(b, node, grads):
     return [b.neg(grads[0])]
 
 
-@register("PowBackward0")
+# pow: complex values conjugate each factor (FunctionsManual's pow_backward*), a zero base with
+# a complex exponent counts as "exponent >= 0" where the exponent is real and >= 0, and the log of
+# a real base is taken in the result's complex dtype (the principal log of a negative base).
+
+
+def _real_nonnegative(b, e):
+    """exponent >= 0, for a complex exponent: imag(exponent) == 0 and real(exponent) >= 0."""
+    if e.dtype.is_complex:
+        return b.logical_and(b.eq(b.emit("imag", e), 0.0), b.ge(b.real(e), 0.0))
+    return b.ge(e, 0.0)
+
+
+@register("PowBackward0", complex=True)
 def pow_scalar_backward(b, node, grads):
-    # self: exponent == 0 ? zeros : grad * (exponent * self.pow(exponent - 1))
+    # self: pow_backward(grad, self, exponent) = exponent == 0 ? zeros : grad * (exponent * self.pow(exponent - 1)).conj()
     exponent = node.saved("exponent")
     if exponent == 0:
         return [zeros_for(b, node, 0)]
     if exponent == 1:
         return [grads[0]]
     x = node.saved("self")
+    if isinstance(exponent, complex) or x.dtype.is_complex or grads[0].dtype.is_complex:
+        e = complex(exponent) if isinstance(exponent, complex) else float(exponent)
+        power = x if e == 2 else b.pow(x, e - 1.0)
+        return [b.mul(grads[0], b.conj(b.mul(power, e)))]
     power = x if exponent == 2 else b.pow(x, float(exponent) - 1.0)
     return [b.mul(grads[0], b.mul(power, float(exponent)))]
 
 
-@register("PowBackward1")
+@register("PowBackward1", complex=True)
 def pow_tensor_backward(b, node, grads):
-    # self: where(exponent == 0, 0, grad * (exponent * self.pow(exponent - 1)))
-    # exponent: grad * where(self == 0 & exponent >= 0, 0, result * log(self))
+    # self: pow_backward_self = where(exponent == 0, 0, grad * (exponent * self.pow(exponent - 1)).conj())
+    # exponent: pow_backward_exponent = grad * where(self == 0 & exponent >= 0, 0, (result * log(self)).conj()),
+    #   self promoted to the common dtype of self and exponent before the log
     (g,) = grads
     x, e = node.saved("self"), node.saved("exponent")
     gx = ge = None
     if node.needs(0):
-        gx = b.where(b.eq(e, 0.0), 0.0, b.mul(g, b.mul(e, b.pow(x, b.sub(e, 1.0)))))
+        gx = b.where(b.eq(e, 0.0), 0.0, b.mul(g, b.conj(b.mul(e, b.pow(x, b.sub(e, 1.0))))))
     if node.needs(1):
-        base_is_zero = b.logical_and(b.eq(x, 0.0), b.ge(e, 0.0))
-        ge = b.mul(g, b.where(base_is_zero, 0.0, b.mul(node.saved("result"), b.log(x))))
+        base_is_zero = b.logical_and(b.eq(x, 0.0), _real_nonnegative(b, e))
+        result = node.saved("result")
+        base = b.cast(x, result.dtype) if result.dtype.is_complex else x
+        ge = b.mul(g, b.where(base_is_zero, 0.0, b.conj(b.mul(result, b.log(base)))))
     return [gx, ge]
 
 
-@register("PowBackward2")
+@register("PowBackward2", complex=True)
 def pow_scalar_base_backward(b, node, grads):
-    # exponent: grad * (base == 0 ? where(exponent >= 0, 0, result * log(base)) : result * log(base))
+    # exponent: pow_backward_exponent(grad, base, exponent, result)
+    #   = grad * (base == 0 ? where(exponent >= 0, 0, (result * log(base)).conj()) : (result * log(base)).conj()),
+    #   log(base) a complex log where the exponent or the base is complex
     base, e, result = node.saved("self"), node.saved("exponent"), node.saved("result")
-    log_base = math.log(base) if base > 0 else (-math.inf if base == 0 else math.nan)
-    dresult = b.mul(result, log_base)
+    if isinstance(base, complex) or e.dtype.is_complex:
+        log_base = cmath.log(base) if base != 0 else complex(-math.inf, 0.0)
+    else:
+        log_base = math.log(base) if base > 0 else (-math.inf if base == 0 else math.nan)
+    dresult = b.conj(b.mul(result, log_base))
     if base == 0:
-        dresult = b.where(b.ge(e, 0.0), 0.0, dresult)
+        dresult = b.where(_real_nonnegative(b, e), 0.0, dresult)
     return [b.mul(grads[0], dresult)]
 
 
@@ -456,17 +481,17 @@ def to_copy_backward(b, node, grads):
     return [g]
 
 
-@register("LdexpBackward0")
+@register("LdexpBackward0", complex=True)
 def ldexp_backward(b, node, grads):
-    # self: grad * pow(2, other);  other: grad * result * M_LN2
+    # self: grad * pow(2, other).conj();  other: grad * result.conj() * M_LN2
     other = node.saved("other")
-    if node.needs(0) and not other.dtype.is_floating_point:
+    if node.needs(0) and not (other.dtype.is_floating_point or other.dtype.is_complex):
         # torch raises 2 to an integer `other` in integers, so a negative exponent gives a zero
         # gradient there; the rule does not reproduce that truncation
         raise NotImplementedError("ldexp with an integer exponent: torch's integer power 2 ** other truncates negative exponents")
     g = opmath(b, grads[0])
-    gs = b.mul(g, b.pow(2.0, opmath(b, other))) if node.needs(0) else None
-    go = b.mul(b.mul(g, opmath(b, node.saved("result"))), math.log(2.0)) if node.needs(1) else None
+    gs = b.mul(g, b.conj(b.pow(2.0, opmath(b, other)))) if node.needs(0) else None
+    go = b.mul(b.mul(g, b.conj(opmath(b, node.saved("result")))), math.log(2.0)) if node.needs(1) else None
     return [gs, go]
 
 

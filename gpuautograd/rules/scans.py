@@ -19,11 +19,13 @@ def _trivial(g, dim_size: int) -> bool:
     return g.ndim == 0 or g.type.numel() <= 1 or dim_size == 1
 
 
-@register("CumprodBackward0")
+@register("CumprodBackward0", complex=True)
 def cumprod_backward(b, node, grads):
     # self: cumprod_backward(grad.to(self.scalar_type()), self, dim, result)
-    #       no zero in a slice: reversed_cumsum(grad * result) / self; up to a slice's first zero z the
-    #       same sum stops at z, at z it is reversed_cumsum(grad * cumprod(self with x_z = 1)), after z 0
+    #       no zero in a slice: reversed_cumsum(grad * result.conj()) / self.conj(); up to a slice's first
+    #       zero z the same sum stops at z, at z it is reversed_cumsum(grad * cumprod(self with x_z = 1).conj()),
+    #       after z 0. Every factor is conjugated, and conj commutes with products: the rule runs on
+    #       conj(self) and conj(result) (the identity for real values).
     x, out = node.saved("self"), node.saved("result")
     if out.dtype != x.dtype and _cumprod_with_dtype_backward_raises():
         raise NotImplementedError(
@@ -34,6 +36,7 @@ def cumprod_backward(b, node, grads):
     dim = node.saved("dim") % max(x.ndim, 1)
     if _trivial(g, x.shape[dim] if x.ndim else 1):
         return [g]
+    x, out = b.conj(x), b.conj(out)
     zero = b.eq(x, 0)
     zeros_so_far = _scan(b, "cumsum", b.cast(zero, torch.int64), dim, reverse=False)
     before = b.eq(zeros_so_far, 0)  # before the first zero of the slice
@@ -59,15 +62,19 @@ def _cumprod_with_dtype_backward_raises() -> bool:
     return False
 
 
-@register("LogcumsumexpBackward0")
+@register("LogcumsumexpBackward0", complex=True)
 def logcumsumexp_backward(b, node, grads):
     # self: logcumsumexp_backward(grad, self, result, dim): with lg+ = log(grad) where grad > 0 (else
-    #       the lowest value) and lg- likewise for -grad: exp(rev_lcse(lg+ - result) + self) - exp(rev_lcse(lg- - result) + self)
+    #       the lowest value) and lg- likewise for -grad: exp(rev_lcse(lg+ - result) + self) - exp(rev_lcse(lg- - result) + self);
+    #       complex: no split by sign, exp(rev_lcse(log(grad.conj()) - result) + self).conj()
     x, out = node.saved("self"), node.saved("result")
     g = grads[0]
     dim = node.saved("dim") % max(x.ndim, 1)
     if g.ndim == 0 or g.type.numel() == 0:
         return [g]
+    if g.dtype.is_complex:
+        logs = b.sub(b.log(b.conj(g)), out)
+        return [b.conj(b.exp(b.add(_scan(b, "logcumsumexp", logs, dim, reverse=True), x)))]
     lowest = torch.finfo(g.dtype).min
     log_abs = b.log(b.where(b.lt(g, 0), b.neg(g), g))
 

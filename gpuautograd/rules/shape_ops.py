@@ -123,14 +123,14 @@ def _border_pad_rule(reflect: bool):
     return rule
 
 
-register("ReflectionPad1DBackward0", "ReflectionPad2DBackward0", "ReflectionPad3DBackward0")(_border_pad_rule(reflect=True))
-register("ReplicationPad1DBackward0", "ReplicationPad2DBackward0", "ReplicationPad3DBackward0")(_border_pad_rule(reflect=False))
+register("ReflectionPad1DBackward0", "ReflectionPad2DBackward0", "ReflectionPad3DBackward0", complex=True)(_border_pad_rule(reflect=True))
+register("ReplicationPad1DBackward0", "ReplicationPad2DBackward0", "ReplicationPad3DBackward0", complex=True)(_border_pad_rule(reflect=False))
 
 
 # -- repeat, flip, roll, rot90 ----------------------------------------------------------------
 
 
-@register("RepeatBackward0")
+@register("RepeatBackward0", complex=True)
 def repeat_backward(b, node, grads):
     # self: repeat_backward(grad, repeats, self.sym_sizes()): view grad as [r0, s0, r1, s1, ...] and sum the r dims
     grad = grads[0]
@@ -151,7 +151,7 @@ def _flip(b, x, dims):
     return b.emit("flip", x, dims=dims)
 
 
-@register("FlipBackward0")
+@register("FlipBackward0", complex=True)
 def flip_backward(b, node, grads):
     # self: grad.flip(dims)
     return [_flip(b, grads[0], node.saved("dims"))]
@@ -171,13 +171,13 @@ def _roll(b, x, shifts, dims):
     return x
 
 
-@register("RollBackward0")
+@register("RollBackward0", complex=True)
 def roll_backward(b, node, grads):
     # self: grad.roll(-reversed(shifts), reversed(dims))   (rolls of distinct dims commute)
     return [_roll(b, grads[0], [-s for s in node.saved("shifts")], node.saved("dims"))]
 
 
-@register("Rot90Backward0")
+@register("Rot90Backward0", complex=True)
 def rot90_backward(b, node, grads):
     # self: grad.rot90(-k, dims)
     grad = grads[0]
@@ -209,7 +209,7 @@ def _diagonal_layout(sizes, node):
     return rest + [d1, d2], tuple(sizes[d] for d in rest), (n1, n2), (start, end, n2 + 1, length)
 
 
-@register("DiagonalBackward0", "DiagonalBackward0_copy")
+@register("DiagonalBackward0", "DiagonalBackward0_copy", complex=True)
 def diagonal_backward(b, node, grads):
     # self: diagonal_backward(grad, self.sym_sizes(), offset, dim1, dim2) = zeros(self.sizes).diagonal_scatter(grad, offset, dim1, dim2)
     grad = grads[0]
@@ -222,7 +222,7 @@ def diagonal_backward(b, node, grads):
     return [b.permute(b.reshape(flat, rest + (n1, n2)), inverse)]
 
 
-@register("DiagonalScatterBackward0")
+@register("DiagonalScatterBackward0", complex=True)
 def diagonal_scatter_backward(b, node, grads):
     # self: grad.diagonal_scatter(zeros_like(src), offset, dim1, dim2);  src: grad.diagonal(offset, dim1, dim2)
     grad = grads[0]
@@ -240,7 +240,7 @@ def diagonal_scatter_backward(b, node, grads):
     return [self_grad, src_grad]
 
 
-@register("SliceScatterBackward0")
+@register("SliceScatterBackward0", complex=True)
 def slice_scatter_backward(b, node, grads):
     # self: slice_scatter(grad, zeros_like(src), dim, start, end, step);  src: grad.slice(dim, start, end, step)
     grad = grads[0]
@@ -254,7 +254,7 @@ def slice_scatter_backward(b, node, grads):
     return [self_grad, piece if node.needs(1) else None]
 
 
-@register("SelectScatterBackward0")
+@register("SelectScatterBackward0", complex=True)
 def select_scatter_backward(b, node, grads):
     # self: select_scatter(grad, zeros_like(src), dim, index);  src: grad.select(dim, index)
     grad = grads[0]
@@ -274,7 +274,7 @@ def _trace_backward_fills_tall_matrices_past_the_diagonal() -> bool:
     return bool(g[1:].any())
 
 
-@register("TraceBackward0")
+@register("TraceBackward0", complex=True)
 def trace_backward(b, node, grads):
     # self: trace_backward_symint(grad, self.sym_sizes()) = zeros(n * m) with grad at every
     #       (m + 1)-th position (the main diagonal), viewed as (n, m)
@@ -289,7 +289,7 @@ def trace_backward(b, node, grads):
     return [b.reshape(flat, (n, m))]
 
 
-@register("DiagEmbedBackward0")
+@register("DiagEmbedBackward0", complex=True)
 def diag_embed_backward(b, node, grads):
     # self: grad.diagonal(offset, dim1, dim2)
     grad = grads[0]
@@ -309,13 +309,13 @@ def _triangle(b, grad, diagonal: int, lower: bool):
     return b.where(keep, grad, 0)
 
 
-@register("TrilBackward0")
+@register("TrilBackward0", complex=True)
 def tril_backward(b, node, grads):
     # self: grad.tril(diagonal)
     return [_triangle(b, grads[0], node.saved("diagonal"), lower=True)]
 
 
-@register("TriuBackward0")
+@register("TriuBackward0", complex=True)
 def triu_backward(b, node, grads):
     # self: grad.triu(diagonal)
     return [_triangle(b, grads[0], node.saved("diagonal"), lower=False)]
@@ -361,7 +361,7 @@ def _index_by_mask(b, node, grad, indices):
     return b.reshape(picked, sizes[:lead] + (count,) + rest)
 
 
-@register("IndexPutBackward0")
+@register("IndexPutBackward0", complex=True)
 def index_put_backward(b, node, grads):
     # self: accumulate ? grad : grad.index_put(indices, zeros_like(values), false);  values: grad.index(indices)
     grad = grads[0]
@@ -383,7 +383,7 @@ def index_put_backward(b, node, grads):
     return [self_grad, values_grad]
 
 
-@register("IndexAddBackward0")
+@register("IndexAddBackward0", complex=True)
 def index_add_backward(b, node, grads):
     # self: grad;  source: maybe_multiply(source.dim() > 0 ? grad.index_select(dim, index).expand_as(source) : grad.index_select(dim, index.squeeze(0)), alpha)
     grad = grads[0]
@@ -402,7 +402,7 @@ def index_add_backward(b, node, grads):
 # -- masked select / scatter ------------------------------------------------------------------
 
 
-@register("MaskedSelectBackward0")
+@register("MaskedSelectBackward0", complex=True)
 def masked_select_backward(b, node, grads):
     # self: masked_select_backward(grad, self, mask) = zeros(broadcast(self, mask)).masked_scatter_(mask, grad)
     grad = grads[0]
@@ -416,7 +416,7 @@ def masked_select_backward(b, node, grads):
     return [b.reshape(out, shape) if not shape else out]
 
 
-@register("MaskedScatterBackward0")
+@register("MaskedScatterBackward0", complex=True)
 def masked_scatter_backward(b, node, grads):
     # self: grad.masked_fill(mask, 0);  source: masked_scatter_backward(grad, mask, source.sizes()) = grad.masked_select(mask) zero-padded to source.numel()
     grad = grads[0]
@@ -489,19 +489,19 @@ def _pixel_unshuffle(b, x, r: int):
     return b.reshape(x, (*lead, c * r * r, h // r, w // r))
 
 
-@register("PixelShuffleBackward0")
+@register("PixelShuffleBackward0", complex=True)
 def pixel_shuffle_backward(b, node, grads):
     # self: pixel_unshuffle(grad, upscale_factor)
     return [_pixel_unshuffle(b, grads[0], node.saved("upscale_factor"))]
 
 
-@register("PixelUnshuffleBackward0")
+@register("PixelUnshuffleBackward0", complex=True)
 def pixel_unshuffle_backward(b, node, grads):
     # self: pixel_shuffle(grad, downscale_factor)
     return [_pixel_shuffle(b, grads[0], node.saved("downscale_factor"))]
 
 
-@register("UnfoldBackward0", "UnfoldBackward0_copy")
+@register("UnfoldBackward0", "UnfoldBackward0_copy", complex=True)
 def unfold_backward(b, node, grads):
     # self: unfold_backward(grad, self.sym_sizes(), dimension, size, step): window w's element k adds into position w*step + k
     grad = grads[0]
@@ -560,7 +560,7 @@ def _block_offset(node, blocks, j: int, total: tuple) -> tuple[int, int]:
     raise NotImplementedError(f"{node.name}: block {j} sits between inputs that need no gradient; its offset is not visible from Python")
 
 
-@register("BlockDiagBackward0")
+@register("BlockDiagBackward0", complex=True)
 def block_diag_backward(b, node, grads):
     # tensors: block_diag_backward(grad, sizes, dtypes): the diagonal block of each input, reshaped to its size
     grad = grads[0]
@@ -576,7 +576,7 @@ def block_diag_backward(b, node, grads):
     return out
 
 
-@register("NarrowCopyBackward0")
+@register("NarrowCopyBackward0", complex=True)
 def narrow_copy_backward(b, node, grads):
     # self: slice_backward_symint(grad, self.sym_sizes(), dim, start, start + length, 1)
     grad = grads[0]
@@ -649,7 +649,7 @@ def _strided_positions(b, size, stride, offset: int, device):
     return b.expand(pos, tuple(size))
 
 
-@register("AsStridedScatterBackward0")
+@register("AsStridedScatterBackward0", complex=True)
 def as_strided_scatter_backward(b, node, grads):
     # src: grad.contiguous().as_strided(size, stride, storage_offset)
     # self: as_strided_scatter_backward(grad, TensorGeometry(self), TensorGeometry(src), ...); torch

@@ -221,6 +221,7 @@ def _join_pieces(b, grads, piece_types, dim: int, unsqueeze: bool):
     "UnsafeSplitWithSizesBackward0",
     "SplitBackward0_copy",
     "SplitWithSizesBackward0_copy",
+    complex=True,
 )
 def split_backward(b, node, grads):
     # self: split_backward / split_with_sizes_backward(grads, split_size(s), dim, sizes, options):
@@ -231,7 +232,7 @@ def split_backward(b, node, grads):
     return [_join_pieces(b, grads, pieces, dim, unsqueeze=False)]
 
 
-@register("UnbindBackward0", "UnbindBackward0_copy")
+@register("UnbindBackward0", "UnbindBackward0_copy", complex=True)
 def unbind_backward(b, node, grads):
     # self: unbind_backward(grads, dim): stack(grads, dim) with zeros for missing ones
     pieces = [node.input_type(i) for i in range(len(grads))]
@@ -242,7 +243,7 @@ def unbind_backward(b, node, grads):
 # -- copy_ ------------------------------------------------------------------------------------
 
 
-@register("torch::autograd::CopyBackwards")
+@register("torch::autograd::CopyBackwards", complex=True)
 def copy_backward(b, node, grads):
     # self: zeros_like(grad) (copy_ overwrote it);  src: grad, which the driver sums, casts and
     # moves to src's shape, dtype and device like validate_outputs

@@ -20,7 +20,7 @@ repo=$PWD
 
 # The pairs the README and pyproject.toml declare: the GPU machine's, and CI's.
 SUPPORTED=("2.11.0:3.6.0" "2.13.0:3.9.0")
-MODELS=(mlp cnn gpt gpt-manual-attn llama moe lstm-lm gnn)
+MODELS=(mlp cnn gpt gpt-manual-attn llama moe lstm-lm gnn stft-loss fno)
 
 home=${GPUAUTOGRAD_MATRIX_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuautograd/matrix}
 out=${GPUAUTOGRAD_MATRIX_OUT:-bench/out/matrix.json}

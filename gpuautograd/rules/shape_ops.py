@@ -124,7 +124,9 @@ def _border_pad_rule(reflect: bool):
 
 
 register("ReflectionPad1DBackward0", "ReflectionPad2DBackward0", "ReflectionPad3DBackward0", complex=True)(_border_pad_rule(reflect=True))
-register("ReplicationPad1DBackward0", "ReplicationPad2DBackward0", "ReplicationPad3DBackward0", complex=True)(_border_pad_rule(reflect=False))
+register("ReplicationPad1DBackward0", "ReplicationPad2DBackward0", "ReplicationPad3DBackward0", complex=True)(
+    _border_pad_rule(reflect=False)
+)
 
 
 # -- repeat, flip, roll, rot90 ----------------------------------------------------------------

@@ -108,7 +108,12 @@ def _importable(module: str) -> bool:
 
 
 def _edge(t: torch.Tensor, index: dict):
-    edge = get_gradient_edge(t)
+    try:
+        edge = get_gradient_edge(t)
+    except AssertionError:
+        # A leaf view made under no_grad of a base that requires grad has no gradient accumulator
+        # (Python finds no node): nothing reaches it, as eager's engine also finds ("not used").
+        return None
     j = index.get(edge.node)
     return None if j is None else (j, edge.output_nr)
 

@@ -58,16 +58,46 @@ def positions(high, *shape, seed=0):
 NORMS = [
     Case("vector_norm-2", "LinalgVectorNormBackward0", lambda x: torch.linalg.vector_norm(x), cleaf(5, 7, nc=True), COMPLEX),
     Case("vector_norm-1-dim", "LinalgVectorNormBackward0", lambda x: torch.linalg.vector_norm(x, 1, dim=1), cleaf(5, 7), COMPLEX),
-    Case("vector_norm-3-keepdim", "LinalgVectorNormBackward0", lambda x: torch.linalg.vector_norm(x, 3, dim=0, keepdim=True), cleaf(5, 7, nc=True), COMPLEX),
+    Case(
+        "vector_norm-3-keepdim",
+        "LinalgVectorNormBackward0",
+        lambda x: torch.linalg.vector_norm(x, 3, dim=0, keepdim=True),
+        cleaf(5, 7, nc=True),
+        COMPLEX,
+    ),
     Case("vector_norm-1.5", "LinalgVectorNormBackward0", lambda x: torch.linalg.vector_norm(x, 1.5, dim=(0, 2)), cleaf(3, 5, 7), COMPLEX),
     Case("vector_norm-0.5", "LinalgVectorNormBackward0", lambda x: torch.linalg.vector_norm(x, 0.5, dim=-1), cleaf(5, 7), COMPLEX),
-    Case("vector_norm-inf", "LinalgVectorNormBackward0", lambda x: torch.linalg.vector_norm(x, float("inf"), dim=1), cleaf(5, 7, nc=True), COMPLEX),
-    Case("vector_norm-0d", "LinalgVectorNormBackward0", lambda x: torch.linalg.vector_norm(x, 3), lambda d: (torch.randn((), dtype=d, requires_grad=True),), COMPLEX),
+    Case(
+        "vector_norm-inf",
+        "LinalgVectorNormBackward0",
+        lambda x: torch.linalg.vector_norm(x, float("inf"), dim=1),
+        cleaf(5, 7, nc=True),
+        COMPLEX,
+    ),
+    Case(
+        "vector_norm-0d",
+        "LinalgVectorNormBackward0",
+        lambda x: torch.linalg.vector_norm(x, 3),
+        lambda d: (torch.randn((), dtype=d, requires_grad=True),),
+        COMPLEX,
+    ),
     Case("normalize", "LinalgVectorNormBackward0", lambda x: F.normalize(x, dim=1), cleaf(5, 7), COMPLEX),
     Case("norm-p", "NormBackward1", lambda x: torch.ops.aten.norm.ScalarOpt_dim(x, 2.5, [1]), cleaf(5, 7, nc=True), COMPLEX),
-    Case("dist-2", "DistBackward0", lambda x, y: torch.dist(x, y), lambda d: (rand(5, 7, dtype=d, noncontiguous=True), rand(5, 7, dtype=d)), COMPLEX),
+    Case(
+        "dist-2",
+        "DistBackward0",
+        lambda x, y: torch.dist(x, y),
+        lambda d: (rand(5, 7, dtype=d, noncontiguous=True), rand(5, 7, dtype=d)),
+        COMPLEX,
+    ),
     Case("dist-1-broadcast", "DistBackward0", lambda x, y: torch.dist(x, y, 1), lambda d: (rand(5, 7, dtype=d), rand(7, dtype=d)), COMPLEX),
-    Case("dist-inf", "DistBackward0", lambda x, y: torch.dist(x, y, float("inf")), lambda d: (rand(3, 5, dtype=d), rand(3, 5, dtype=d)), COMPLEX),
+    Case(
+        "dist-inf",
+        "DistBackward0",
+        lambda x, y: torch.dist(x, y, float("inf")),
+        lambda d: (rand(3, 5, dtype=d), rand(3, 5, dtype=d)),
+        COMPLEX,
+    ),
     Case("dist-3", "DistBackward0", lambda x, y: torch.dist(x, y, 3), lambda d: (rand(3, 5, dtype=d), rand(3, 5, dtype=d)), COMPLEX),
 ]
 
@@ -128,13 +158,55 @@ UNARY = [
 ]
 
 MULTI = [
-    Case("lerp-scalar", "LerpBackward0", lambda a, b: torch.lerp(a, b, 0.3), lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=d, noncontiguous=True)), COMPLEX),
-    Case("lerp-tensor", "LerpBackward1", torch.lerp, lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=d), rand(5, 3, dtype=d, noncontiguous=True)), COMPLEX),
-    Case("addcmul", "AddcmulBackward0", lambda a, b, c: torch.addcmul(a, b, c, value=0.5 - 2j), lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=d), rand(3, dtype=d)), COMPLEX),
-    Case("addcdiv", "AddcdivBackward0", lambda a, b, c: torch.addcdiv(a, b, c, value=1 + 1j), lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=d, noncontiguous=True), rand(5, 3, dtype=d)), COMPLEX),
-    Case("logaddexp", "LogaddexpBackward0", torch.logaddexp, lambda d: (rand(5, 3, dtype=d, noncontiguous=True), rand(5, 3, dtype=d)), COMPLEX),
-    Case("cross", "LinalgCrossBackward0", lambda a, b: torch.linalg.cross(a, b, dim=1), lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=d, noncontiguous=True)), COMPLEX),
-    Case("cross-broadcast", "LinalgCrossBackward0", lambda a, b: torch.linalg.cross(a, b), lambda d: (rand(5, 3, dtype=d), rand(1, 3, dtype=d)), COMPLEX),
+    Case(
+        "lerp-scalar",
+        "LerpBackward0",
+        lambda a, b: torch.lerp(a, b, 0.3),
+        lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=d, noncontiguous=True)),
+        COMPLEX,
+    ),
+    Case(
+        "lerp-tensor",
+        "LerpBackward1",
+        torch.lerp,
+        lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=d), rand(5, 3, dtype=d, noncontiguous=True)),
+        COMPLEX,
+    ),
+    Case(
+        "addcmul",
+        "AddcmulBackward0",
+        lambda a, b, c: torch.addcmul(a, b, c, value=0.5 - 2j),
+        lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=d), rand(3, dtype=d)),
+        COMPLEX,
+    ),
+    Case(
+        "addcdiv",
+        "AddcdivBackward0",
+        lambda a, b, c: torch.addcdiv(a, b, c, value=1 + 1j),
+        lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=d, noncontiguous=True), rand(5, 3, dtype=d)),
+        COMPLEX,
+    ),
+    Case(
+        "logaddexp",
+        "LogaddexpBackward0",
+        torch.logaddexp,
+        lambda d: (rand(5, 3, dtype=d, noncontiguous=True), rand(5, 3, dtype=d)),
+        COMPLEX,
+    ),
+    Case(
+        "cross",
+        "LinalgCrossBackward0",
+        lambda a, b: torch.linalg.cross(a, b, dim=1),
+        lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=d, noncontiguous=True)),
+        COMPLEX,
+    ),
+    Case(
+        "cross-broadcast",
+        "LinalgCrossBackward0",
+        lambda a, b: torch.linalg.cross(a, b),
+        lambda d: (rand(5, 3, dtype=d), rand(1, 3, dtype=d)),
+        COMPLEX,
+    ),
 ]
 
 M57 = mask(5, 7)
@@ -152,7 +224,9 @@ LAYOUT = [
     Case("diagonal-dims", "DiagonalBackward0", lambda x: x.diagonal(-1, 0, 2), cleaf(5, 3, 7), COMPLEX),
     Case("diagonal_copy", "DiagonalBackward0_copy", lambda x: torch.diagonal_copy(x), cleaf(5, 7), COMPLEX),
     Case("diag_embed", "DiagEmbedBackward0", lambda x: torch.diag_embed(x, 1), cleaf(3, 5, nc=True), COMPLEX),
-    Case("diagonal_scatter", "DiagonalScatterBackward0", torch.diagonal_scatter, lambda d: (rand(5, 7, dtype=d), rand(5, dtype=d)), COMPLEX),
+    Case(
+        "diagonal_scatter", "DiagonalScatterBackward0", torch.diagonal_scatter, lambda d: (rand(5, 7, dtype=d), rand(5, dtype=d)), COMPLEX
+    ),
     Case("trace", "TraceBackward0", torch.trace, cleaf(5, 5, nc=True), COMPLEX),
     Case("tril", "TrilBackward0", lambda x: x.tril(1), cleaf(5, 7, nc=True), COMPLEX),
     Case("triu", "TriuBackward0", lambda x: x.triu(-1), cleaf(5, 7), COMPLEX),
@@ -166,25 +240,75 @@ LAYOUT = [
     Case("block_diag", "BlockDiagBackward0", torch.block_diag, lambda d: (rand(2, 3, dtype=d), rand(3, dtype=d)), COMPLEX),
     Case("im2col", "Im2ColBackward0", lambda x: F.unfold(x, (2, 3), dilation=(1, 2), padding=1, stride=(2, 1)), cleaf(2, 3, 7, 9), COMPLEX),
     Case("col2im", "Col2ImBackward0", lambda x: F.fold(x, (5, 7), (2, 3), padding=1), cleaf(2, 12, 42, nc=True), COMPLEX),
-    Case("copy_", "torch::autograd::CopyBackwards", lambda x, y: x.clone().copy_(y), lambda d: (rand(5, 3, dtype=d), rand(3, dtype=d)), COMPLEX),
+    Case(
+        "copy_",
+        "torch::autograd::CopyBackwards",
+        lambda x, y: x.clone().copy_(y),
+        lambda d: (rand(5, 3, dtype=d), rand(3, dtype=d)),
+        COMPLEX,
+    ),
 ]
 
 INDEXING = [
     Case("masked_select", "MaskedSelectBackward0", lambda x, m: x.masked_select(m), make(leaf(5, 7, nc=True), fixed(M57)), COMPLEX),
     Case("masked_select-broadcast", "MaskedSelectBackward0", lambda x, m: x.masked_select(m), make(leaf(7), fixed(M57)), COMPLEX),
-    Case("masked_scatter", "MaskedScatterBackward0", lambda x, m, s: x.masked_scatter(m, s), make(leaf(5, 7), fixed(M57), leaf(40)), COMPLEX),
+    Case(
+        "masked_scatter", "MaskedScatterBackward0", lambda x, m, s: x.masked_scatter(m, s), make(leaf(5, 7), fixed(M57), leaf(40)), COMPLEX
+    ),
     Case("put", "PutBackward0", lambda x, i, s: x.put(i, s), make(leaf(5, 7, nc=True), fixed(index(3, 0, 34, 11)), leaf(4)), COMPLEX),
-    Case("put-accumulate", "PutBackward0", lambda x, i, s: x.put(i, s, accumulate=True), make(leaf(5, 7), fixed(index(3, 3, -1)), leaf(3)), COMPLEX),
+    Case(
+        "put-accumulate",
+        "PutBackward0",
+        lambda x, i, s: x.put(i, s, accumulate=True),
+        make(leaf(5, 7), fixed(index(3, 3, -1)), leaf(3)),
+        COMPLEX,
+    ),
     Case("take", "TakeBackward0", lambda x, i: x.take(i), make(leaf(5, 7, nc=True), fixed(positions(35, 3, 4))), COMPLEX),
     Case("index", "IndexBackward0", lambda x, i: x[i], make(leaf(5, 7, nc=True), fixed(index(0, 3, 3, -1))), COMPLEX),
     Case("index-mask", "IndexBackward0", lambda x, m: x[m], make(leaf(5, 7), fixed(M57)), COMPLEX),
-    Case("index_put", "IndexPutBackward0", lambda x, i, v: torch.index_put(x, (i,), v), make(leaf(5, 7), fixed(index(1, 4)), leaf(2, 7)), COMPLEX),
-    Case("index_select", "IndexSelectBackward0", lambda x, i: x.index_select(1, i), make(leaf(5, 7, nc=True), fixed(index(6, 0, 6, 2))), COMPLEX),
-    Case("index_add", "IndexAddBackward0", lambda x, i, s: x.index_add(0, i, s, alpha=2), make(leaf(5, 3), fixed(index(4, 0, 4)), leaf(3, 3)), COMPLEX),
+    Case(
+        "index_put",
+        "IndexPutBackward0",
+        lambda x, i, v: torch.index_put(x, (i,), v),
+        make(leaf(5, 7), fixed(index(1, 4)), leaf(2, 7)),
+        COMPLEX,
+    ),
+    Case(
+        "index_select",
+        "IndexSelectBackward0",
+        lambda x, i: x.index_select(1, i),
+        make(leaf(5, 7, nc=True), fixed(index(6, 0, 6, 2))),
+        COMPLEX,
+    ),
+    Case(
+        "index_add",
+        "IndexAddBackward0",
+        lambda x, i, s: x.index_add(0, i, s, alpha=2),
+        make(leaf(5, 3), fixed(index(4, 0, 4)), leaf(3, 3)),
+        COMPLEX,
+    ),
     Case("gather", "GatherBackward0", lambda x, i: x.gather(1, i), make(leaf(5, 7, nc=True), fixed(positions(7, 5, 9))), COMPLEX),
-    Case("scatter", "ScatterBackward0", lambda x, i, s: x.scatter(1, i, s), make(leaf(5, 7), fixed(torch.tensor([[0, 3], [6, 1], [2, 5], [4, 0], [1, 2]])), leaf(5, 2)), COMPLEX),
-    Case("scatter-value", "ScatterBackward1", lambda x, i: x.scatter(0, i, 1.5), make(leaf(5, 7, nc=True), fixed(positions(5, 2, 7))), COMPLEX),
-    Case("scatter_add", "ScatterAddBackward0", lambda x, i, s: x.scatter_add(1, i, s), make(leaf(5, 7), fixed(positions(7, 5, 4)), leaf(5, 4)), COMPLEX),
+    Case(
+        "scatter",
+        "ScatterBackward0",
+        lambda x, i, s: x.scatter(1, i, s),
+        make(leaf(5, 7), fixed(torch.tensor([[0, 3], [6, 1], [2, 5], [4, 0], [1, 2]])), leaf(5, 2)),
+        COMPLEX,
+    ),
+    Case(
+        "scatter-value",
+        "ScatterBackward1",
+        lambda x, i: x.scatter(0, i, 1.5),
+        make(leaf(5, 7, nc=True), fixed(positions(5, 2, 7))),
+        COMPLEX,
+    ),
+    Case(
+        "scatter_add",
+        "ScatterAddBackward0",
+        lambda x, i, s: x.scatter_add(1, i, s),
+        make(leaf(5, 7), fixed(positions(7, 5, 4)), leaf(5, 4)),
+        COMPLEX,
+    ),
 ]
 
 CASES = NORMS + REDUCTIONS + SCANS + POW + UNARY + MULTI + LAYOUT + INDEXING
@@ -198,9 +322,27 @@ def test_complex_tensor_op_rule(case, dtype):
 # Graphs from real leaves through complex values and back: the rules' gradients flow into real
 # inputs, which keep the real part.
 REAL_TO_COMPLEX = [
-    Case("prod-of-complex-from-real", "ProdBackward1", lambda x: torch.complex(x, x.flip(0)).prod(1), lambda d: (rand(5, 3, dtype=d),), (torch.float64, torch.float32)),
-    Case("pow-real-base-complex-exponent", "PowBackward1", lambda x, e: torch.pow(x, e), lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=torch.complex128)), (torch.float64,)),
-    Case("vector_norm-of-fft", "LinalgVectorNormBackward0", lambda x: torch.linalg.vector_norm(torch.fft.fft(x), 3, dim=1), lambda d: (rand(3, 7, dtype=d, noncontiguous=True),), (torch.float64, torch.float32)),
+    Case(
+        "prod-of-complex-from-real",
+        "ProdBackward1",
+        lambda x: torch.complex(x, x.flip(0)).prod(1),
+        lambda d: (rand(5, 3, dtype=d),),
+        (torch.float64, torch.float32),
+    ),
+    Case(
+        "pow-real-base-complex-exponent",
+        "PowBackward1",
+        lambda x, e: torch.pow(x, e),
+        lambda d: (rand(5, 3, dtype=d), rand(5, 3, dtype=torch.complex128)),
+        (torch.float64,),
+    ),
+    Case(
+        "vector_norm-of-fft",
+        "LinalgVectorNormBackward0",
+        lambda x: torch.linalg.vector_norm(torch.fft.fft(x), 3, dim=1),
+        lambda d: (rand(3, 7, dtype=d, noncontiguous=True),),
+        (torch.float64, torch.float32),
+    ),
 ]
 
 

@@ -17,7 +17,7 @@ value instead of torch's error.
 
 from __future__ import annotations
 
-from .matrix import add_maybe, diag_embed, diagonal, matmul, mT, set_diagonal, solve_triangular, tril, triu
+from .matrix import add_maybe, diag_embed, diagonal, matmul, mH, set_diagonal, solve_triangular, tril, triu
 from .registry import register
 
 
@@ -25,11 +25,6 @@ def _require_floating(node, *values) -> None:
     for v in values:
         if v is not None and not (v.dtype.is_complex or v.dtype.is_floating_point):
             raise NotImplementedError(f"{node.name}: only floating and complex dtypes are supported, got {v.dtype}")
-
-
-def mH(b, x):
-    """The conjugate transpose; the transpose of a real value."""
-    return b.conj(mT(b, x))
 
 
 def _narrow(b, x, dim: int, length: int):

@@ -25,8 +25,7 @@ gradient padded with zero columns to m x m; for ormqr it is a product of the inc
 
 from __future__ import annotations
 
-from .decompositions import mH
-from .matrix import diag_embed, diagonal, eye_mask, matmul, solve_triangular, tril, triu
+from .matrix import diag_embed, diagonal, eye_mask, matmul, mH, solve_triangular, tril, triu
 from .registry import register
 
 

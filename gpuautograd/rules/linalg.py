@@ -10,6 +10,7 @@ View/Mm/Bmm/UnsafeView.)
 
 from __future__ import annotations
 
+from .matrix import mH, mT
 from .registry import register
 
 
@@ -22,14 +23,6 @@ def _real(node, *values) -> None:
 def _scaled(b, x, factor):
     """maybe_multiply(x, factor.conj()): skip the multiply when the factor is 1."""
     return x if factor == 1 else b.mul(x, b.conj(factor))
-
-
-def _mT(b, x):
-    return b.transpose(x, -2, -1)
-
-
-def _mH(b, x):
-    return b.conj(_mT(b, x))
 
 
 def _outer(b, u, v):
@@ -69,16 +62,16 @@ def _product_grads(b, node, grad, product, left: str, right: str, first: int, al
     if node.needs(first):
         r = node.saved(right)
         if product == b.mm and _column_major(node, left):
-            grad_left = _mT(b, b.mm(b.conj(r), _mT(b, grad)))
+            grad_left = mT(b, b.mm(b.conj(r), mT(b, grad)))
         else:
-            grad_left = product(grad, _mH(b, r))
+            grad_left = product(grad, mH(b, r))
         grad_left = _scaled(b, grad_left, alpha)
     if node.needs(first + 1):
         lft = node.saved(left)
         if product == b.mm and _column_major(node, right):
-            grad_right = _mT(b, b.mm(_mT(b, grad), b.conj(lft)))
+            grad_right = mT(b, b.mm(mT(b, grad), b.conj(lft)))
         else:
-            grad_right = product(_mH(b, lft), grad)
+            grad_right = product(mH(b, lft), grad)
         grad_right = _scaled(b, grad_right, alpha)
     return [grad_left, grad_right]
 
@@ -88,7 +81,7 @@ def _mv_grads(b, node, grad, mat: str, first: int, alpha=1) -> list:
     inputs `first` and `first + 1`:  mat: grad.ger(vec.conj()) * alpha.conj();
     vec: mat.t().conj().mv(grad) * alpha.conj()."""
     grad_mat = _scaled(b, _outer(b, grad, b.conj(node.saved("vec"))), alpha) if node.needs(first) else None
-    grad_vec = _scaled(b, _mv(b, _mH(b, node.saved(mat)), grad), alpha) if node.needs(first + 1) else None
+    grad_vec = _scaled(b, _mv(b, mH(b, node.saved(mat)), grad), alpha) if node.needs(first + 1) else None
     return [grad_mat, grad_vec]
 
 
@@ -158,7 +151,7 @@ def addr_backward(b, node, grads):
     (grad,) = grads
     grad_self, alpha = _beta_self(b, node, grad)
     grad_vec1 = _scaled(b, _mv(b, grad, b.conj(node.saved("vec2"))), alpha) if node.needs(1) else None
-    grad_vec2 = _scaled(b, _mv(b, _mT(b, grad), b.conj(node.saved("vec1"))), alpha) if node.needs(2) else None
+    grad_vec2 = _scaled(b, _mv(b, mT(b, grad), b.conj(node.saved("vec1"))), alpha) if node.needs(2) else None
     return [grad_self, grad_vec1, grad_vec2]
 
 
@@ -189,5 +182,5 @@ def cdist_backward(b, node, grads):
     x1, x2, result, p = node.saved("x1"), node.saved("x2"), node.saved("result"), node.saved("p")
     _real(node, grad)
     g1 = b.emit("cdist_backward", grad, x1, x2, result, p=p) if node.needs(0) else None
-    g2 = b.emit("cdist_backward", _mT(b, grad), x2, x1, _mT(b, result), p=p) if node.needs(1) else None
+    g2 = b.emit("cdist_backward", mT(b, grad), x2, x1, mT(b, result), p=p) if node.needs(1) else None
     return [g1, g2]

@@ -21,6 +21,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from . import distributed, flags, native
 from .capture import hooks, native_walk
+from .capture.walk import leaf_node_hook_reason
 from .ir.ops import get_op
 from .ir.program import Program
 from .runtime import engine
@@ -372,12 +373,16 @@ def _walk_only(tensors, grad_tensors, inputs, backend):
     return w, key, root_edges, input_edges, grads, accumulate
 
 
-def _native_fallback(tensors, inputs) -> str | None:
-    """What only the native walker sees (hooks on C++ nodes): the reason backward would run eagerly."""
+def _native_fallback(tensors, inputs, w) -> str | None:
+    """What only the native walker sees (hooks on C++ nodes): the reason backward would run eagerly.
+    Lowering then takes the hooks it read, as a backward's capture does."""
     if native_walk.current() != native_walk.NATIVE:
-        return None
+        return leaf_node_hook_reason(w) if w.node_hooks else None
     nw, _ = native_walk.walk(list(_as_tuple(tensors)), list(_as_tuple(inputs)), [])  # no key is looked up
-    return nw.hook_reason if nw is not None else None
+    if nw is None:
+        return leaf_node_hook_reason(w) if w.node_hooks else None
+    w.node_hooks = nw.node_hooks
+    return nw.hook_reason
 
 
 def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = None) -> Explanation:
@@ -386,11 +391,11 @@ def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = No
     w, key, root_edges, input_edges, grads, accumulate = _walk_only(tensors, grad_tensors, inputs, backend)
     w.native_key = native_walk.current() == native_walk.NATIVE  # what a backward would capture under
     names = [c.name for c in w.classes]
-    reason = _global_fallback_reason(create_graph=False) or w.hook_reason or _native_fallback(tensors, inputs)
+    reason = _global_fallback_reason(create_graph=False) or w.hook_reason or _native_fallback(tensors, inputs, w)
     entry = None if reason else engine.build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
     if entry is None or entry.program is None:
         return Explanation(len(w.nodes), names, [], None, "", reason or entry.fallback_reason, key[0])
-    opaque = [spec.label for _, spec in entry.program.inputs if spec.kind == "node"]
+    opaque = [w.classes[i].name for i in entry.opaque_nodes]
     compiled = entry.compiled
     if isinstance(compiled, FusedProgram):
         cached = _cached_plan(tensors, grads, inputs, accumulate, key[0])

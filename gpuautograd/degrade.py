@@ -20,6 +20,11 @@ from .runtime import stats as stats_module
 LOG = logging.getLogger("gpuautograd")
 
 
+class Fallback(Exception):
+    """This backward can't be honored functionally; run eager autograd instead (reason in args).
+    Raised by the engine, and by the distributed planner it calls (which so needs no import of it)."""
+
+
 def report(message: str) -> None:
     """Log `message` once (per gpuautograd.reset()); also warn when the flag asks for it."""
     reported = stats_module.STATS.warned

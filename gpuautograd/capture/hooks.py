@@ -17,6 +17,18 @@ import torch
 # id(tensor) -> tensor; entries vanish with their tensor, so a reused id is never stale.
 _tracked: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _installed = False
+# Whether a hook was ever registered on a tensor (register_hook, register_post_accumulate_grad_hook)
+# or an autograd node (grad_fn.register_hook / register_prehook, module backward hooks): until then
+# the Python walk asks no node for its hooks. (The native walk reads them on every node.)
+hooks_seen = False
+# The hook dicts of autograd nodes (grad_fn.register_hook / register_prehook, module backward
+# hooks, and a non-leaf tensor's hooks, which its node keeps after the tensor is gone), weakly: a
+# node holds its dict while it lives. Only the native extension can see which nodes carry one, so
+# without it a backward runs eagerly while any holds a hook (node_hooks_live).
+_node_hook_dicts: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# id(dict) -> weak reference to the tensor whose hooks it holds: while the tensor lives, the walk
+# finds its hooks through it (tracked_tensors) and the dict needs no blanket fallback.
+_dict_owners: dict[int, weakref.ref] = {}
 # Whether saved-tensor hooks were ever installed (torch.autograd.graph.saved_tensors_hooks,
 # checkpointing, SavedTensor.register_hooks by the user): until then no saved value can carry an
 # unpack hook, and the walk skips looking for them.
@@ -53,9 +65,21 @@ def install() -> None:
     original_retain_grad = torch.Tensor.retain_grad
 
     def register_hook(self, hook):
+        global hooks_seen
         handle = original_register_hook(self, hook)
+        hooks_seen = True
         _track(self)
+        if self.grad_fn is not None:  # its node keeps the dict after the tensor is gone
+            _node_hook_dicts[id(self._backward_hooks)] = self._backward_hooks
+            _dict_owners[id(self._backward_hooks)] = weakref.ref(self)
         return handle
+
+    original_post_accumulate = torch.Tensor.register_post_accumulate_grad_hook
+
+    def register_post_accumulate_grad_hook(self, hook):
+        global hooks_seen
+        hooks_seen = True
+        return original_post_accumulate(self, hook)
 
     def retain_grad(self):
         original_retain_grad(self)
@@ -66,6 +90,9 @@ def install() -> None:
     _watch_materialize_grads()
     _watch_grad_dtype()
     _watch_inplace_detach()
+    _watch_node_hooks()
+    register_post_accumulate_grad_hook.__doc__ = original_post_accumulate.__doc__
+    torch.Tensor.register_post_accumulate_grad_hook = register_post_accumulate_grad_hook
     register_hook.__doc__ = original_register_hook.__doc__
     retain_grad.__doc__ = original_retain_grad.__doc__
     torch.Tensor.register_hook = register_hook
@@ -74,7 +101,11 @@ def install() -> None:
     # What was registered before the wrappers existed. type() rather than isinstance(): some live
     # objects warn when their __class__ is read.
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch._C.TensorBase) and obj.grad_fn is not None and (obj._backward_hooks or obj.retains_grad):
+        if not issubclass(type(obj), torch._C.TensorBase):
+            continue
+        if obj._backward_hooks or obj._post_accumulate_grad_hooks:
+            note_hooks()
+        if obj.grad_fn is not None and (obj._backward_hooks or obj.retains_grad):
             _tracked[id(obj)] = obj
 
 
@@ -88,6 +119,41 @@ def tracked_tensors() -> list[torch.Tensor]:
     if not tracked_refs:
         return []
     return list(_tracked.values())
+
+
+def note_hooks() -> None:
+    global hooks_seen
+    hooks_seen = True
+
+
+def node_hooks_live() -> bool:
+    """Whether a live autograd node may carry a hook that no tracked tensor shows: a node's own
+    hook dict, or a tensor's whose tensor is gone, alive and not empty."""
+    live = False
+    for key, d in list(_node_hook_dicts.items()):
+        owner = _dict_owners.get(key)
+        if d and (owner is None or owner() is None):
+            live = True
+            break
+    if len(_dict_owners) > 2 * len(_node_hook_dicts) + 64:  # forget the owners of dead dicts
+        for key in [k for k in _dict_owners if k not in _node_hook_dicts]:
+            del _dict_owners[key]
+    return live
+
+
+def _watch_node_hooks() -> None:
+    """grad_fn.register_hook and register_prehook, of C++ and custom Function nodes alike, make
+    their handle through Function._register_hook."""
+    original = torch.autograd.Function._register_hook
+
+    def _register_hook(backward_hooks, hook):
+        note_hooks()
+        backward_hooks, handle = original(backward_hooks, hook)
+        _node_hook_dicts[id(backward_hooks)] = backward_hooks
+        _dict_owners.pop(id(backward_hooks), None)
+        return backward_hooks, handle
+
+    torch.autograd.Function._register_hook = staticmethod(_register_hook)
 
 
 def _watch_saved_tensor_hooks() -> None:

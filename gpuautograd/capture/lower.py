@@ -12,6 +12,7 @@ import heapq
 from dataclasses import dataclass
 
 import torch
+from torch.nn.modules._functions import BackwardHookFunction
 
 from .. import native
 from ..ir.builder import Builder, IRError
@@ -20,7 +21,19 @@ from ..ir.types import NodeType, TensorType
 from ..rules.registry import handles_complex, lookup
 from . import hooks
 from .nodeview import NodeView, as_signed
-from .walk import ACCUMULATE, BACKWARD_TWICE, CPP, PYTHON, Walk, read_saved, saved_key
+from .walk import (
+    ACCUMULATE,
+    BACKWARD_TWICE,
+    CPP,
+    POST_ACC_GRAD_HOOKS,
+    POST_HOOKS,
+    PRE_HOOKS,
+    PYTHON,
+    TENSOR_PRE_HOOKS,
+    Walk,
+    read_saved,
+    saved_key,
+)
 
 
 @dataclass
@@ -118,17 +131,55 @@ def lower(w: Walk, req: Request) -> Program:
     declined: list[str] = []
     sink_values: dict[tuple[int, int], Value | None] = {}
     sink_sources: dict[tuple[int, int], frozenset | None] = {}
+    delivered: set[int] = set()  # leaves whose gradient lands in .grad inside the program
+    # Leaves whose gradient is whole but not yet in .grad. Eager's AccumulateGrad runs as soon as
+    # its gradient is whole, so a hook sees those .grad fields set: each yield point delivers them
+    # first. (A program without hooks delivers every leaf at its end, where nothing can tell.)
+    ready_leaves: list[tuple[int, Value]] = []
+    node_hooks = w.node_hooks
+
+    def yield_point(i: int, stage: str, values: list, types: tuple) -> list:
+        origin = b.origin
+        while ready_leaves:
+            j, g = ready_leaves.pop(0)
+            b.origin = w.classes[j].name
+            _yield(b, w, j, "accumulate", [g], _types_of([g]))
+            delivered.add(j)
+        b.origin = origin
+        return _yield(b, w, i, stage, values, types)
+
     for i in order:
         info = w.classes[i]
         b.origin = info.name
         grads = [_sum(b, pending.pop((i, s), None)) for s in range(len(metas[i]))]
         node_sources = {s: sources.pop((i, s)) for s, g in enumerate(grads) if g is not None}
+        hook_bits = node_hooks.get(i, 0) if node_hooks else 0
+        given = grads
+        if hook_bits & TENSOR_PRE_HOOKS and any(g is not None for g in grads):
+            # eager calls a tensor's hooks on the summed gradient, before the node reads it
+            grads = yield_point(i, "tensor_pre", grads, _types_of(grads))
+        # grad() takes an input's gradient before its hooks where its node runs on (eager captures
+        # it ahead of running the node), after them where it does not; .grad after them
+        captured = given if executes[i] and not req.accumulate else grads
         for s, g in enumerate(grads):
             if (i, s) in targets or ((i, s) in retained and (executes[i] or info.kind == ACCUMULATE)):
-                sink_values[(i, s)] = g
+                sink_values[(i, s)] = captured[s] if (i, s) in targets and (i, s) not in retained else g
                 sink_sources[(i, s)] = node_sources.get(s)
-        if info.kind == ACCUMULATE or not executes[i] or all(g is None for g in grads):
+        if info.kind == ACCUMULATE:
+            if node_hooks and req.accumulate and (i, 0) in targets:
+                if hook_bits & (POST_ACC_GRAD_HOOKS | POST_HOOKS):
+                    # Its hooks read .grad: an optimizer step in the backward, or DDP's reducer,
+                    # which launches a bucket's all-reduce as soon as its last gradient is ready.
+                    # (Eager runs an AccumulateGrad node's post hooks even on an undefined gradient.)
+                    yield_point(i, "accumulate", grads[:1], _types_of(grads[:1]))
+                    delivered.add(i)
+                elif grads[0] is not None:
+                    ready_leaves.append((i, grads[0]))
             continue
+        if not executes[i] or all(g is None for g in grads):
+            continue
+        if hook_bits & PRE_HOOKS:
+            grads = yield_point(i, "pre", grads, _types_of(grads))
         out_types = [None if e is None else _edge_type(w, metas, e) for e in edges[i]]
         needs = [e is not None and (e in targets or executes[e[0]]) for e in edges[i]]
         if w.hooked.get(i):  # an earlier run let go of it (eager frees it): its unpack hook must not run again
@@ -151,22 +202,30 @@ def lower(w: Walk, req: Request) -> Program:
                 raise CaptureError(f"the rule for {info.name} (node {i}) failed: {e}") from e
             if outs is not None and len(outs) != len(out_types):
                 raise CaptureError(f"the rule for {info.name} returned {len(outs)} gradients for {len(out_types)} edges")
-        if rule is None or outs is None:
+        own = info.kind == PYTHON  # a custom backward's result is defined or not whatever it was given
+        if rule is None and _passes_through(w.nodes[i], info):
+            outs, own = _pass_through(b, w, i, grads, [_meta_type(m) for m in metas[i]]), False
+        elif rule is None or outs is None:
             none_ok = tuple(sole_to_sink(e) for e in edges[i])
             outs = _opaque(b, w, i, grads, [_meta_type(m) for m in metas[i]], out_types, needs, none_ok)
-        own = info.kind == PYTHON  # a custom backward's result is defined or not whatever it was given
         merged = _merged(node_sources.values())
+        outs = [
+            None if g is None or e is None or not needs[k] else _validate(b, g, out_types[k], f"{info.name} output {k}")
+            for k, (g, e) in enumerate(zip(outs, edges[i]))
+        ]
+        if hook_bits & POST_HOOKS:
+            # eager's post-hooks see the validated results and the gradients the node was given
+            outs = yield_point(i, "post", [*outs, *grads], _types_of(outs))
         for k, (g, e) in enumerate(zip(outs, edges[i])):
-            if g is None or e is None or not needs[k]:
+            if g is None:
                 continue
-            g = _validate(b, g, out_types[k], f"{info.name} output {k}")
             pending.setdefault(e, []).append(g)
             _add_source(sources, e, frozenset({(i, k)}) if own else merged)
 
     for (i, s), g in sorted(sink_values.items()):
         if (i, s) in targets and not req.accumulate:
             continue  # grad()'s results are emitted in input order below
-        if w.classes[i].kind == ACCUMULATE and (i, s) in targets:
+        if w.classes[i].kind == ACCUMULATE and (i, s) in targets and i not in delivered:
             b.output(g, OutputSpec("leaf", i, f"leaf{i}.grad", sources=sink_sources[(i, s)]))
         if (i, s) in retained:
             b.output(g, OutputSpec("retain", i, f"{w.classes[i].name}[{s}].grad", slot=s, sources=sink_sources[(i, s)]))
@@ -177,6 +236,21 @@ def lower(w: Walk, req: Request) -> Program:
     b.program.executed = [i for i in order if executes[i]]
     b.program.declined = declined
     return b.program
+
+
+def _types_of(values) -> tuple:
+    return tuple(None if v is None else (v.type.shape, v.type.dtype, v.type.device) for v in values)
+
+
+def _yield(b: Builder, w: Walk, i: int, stage: str, values: list, types: tuple) -> list:
+    """A yield point: the host runs node i's hooks of this stage (ir/hook_ops.py) on `values`;
+    returns what the rest of the program reads instead of the first len(types) of them."""
+    name = w.classes[i].name
+    node_value = b.input(NodeType(name), InputSpec("node", i, name))
+    present = tuple(v is not None for v in values)
+    args = [v for v in values if v is not None]
+    outs = b.emit("node_hooks", node_value, *args, stage=stage, present=present, types=types, label=name)
+    return list(outs)
 
 
 def _native_geometry(node):
@@ -307,6 +381,27 @@ def _opaque(b, w, i, grads, in_types, out_types, needs, none_ok):
         python_positions = tuple(next(it, None) if e is not None else None for e in w.key[i][1])
     types = tuple(None if t is None or not needs[k] else (t.shape, t.dtype, t.device) for k, t in enumerate(out_types))
     return b.emit("opaque", node_value, *args, present=present, out_types=types, python_positions=python_positions, none_ok=none_ok)
+
+
+def _passes_through(node, info) -> bool:
+    """Module backward hooks wrap a module's inputs and outputs in BackwardHookFunction
+    (torch.nn.modules._functions), whose backward returns its gradients: the hooks hang on its
+    node and run at their yield points, and the node itself needs no Python."""
+    return (
+        info.kind == PYTHON
+        and getattr(type(node), "_forward_cls", None) is BackwardHookFunction
+        and getattr(node, hooks.MATERIALIZE_ATTR, True)
+    )
+
+
+def _pass_through(b, w, i, grads, in_types) -> list:
+    """BackwardHookFunction's backward: its gradients, with zeros where none came (materialized,
+    as for any custom Function), mapped onto its edges as _opaque maps a custom backward's results."""
+    _check_materializable(w.classes[i], grads, in_types)
+    grads = [g if g is not None else b.zeros(t) for g, t in zip(grads, in_types)]
+    it = iter([k for k, flag in enumerate(w.nodes[i].needs_input_grad) if flag])
+    positions = [next(it, None) if e is not None else None for e in w.key[i][1]]
+    return [None if p is None or p >= len(grads) else grads[p] for p in positions]
 
 
 def _check_materializable(info, grads, in_types) -> None:

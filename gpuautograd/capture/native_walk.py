@@ -40,7 +40,7 @@ class NativeWalk:
     """What the engine reads of a walk (nodes, saved, retained, hook_reason), from the native one."""
 
     walker = NATIVE
-    __slots__ = ("native", "roots", "inputs", "nodes", "_saved", "hook_reason", "grad_dtypes", "retained")
+    __slots__ = ("native", "roots", "inputs", "nodes", "_saved", "hook_reason", "grad_dtypes", "retained", "node_hooks")
 
     def __init__(self, nw, roots, inputs) -> None:
         self.native = nw
@@ -48,6 +48,7 @@ class NativeWalk:
         self.nodes = _Nodes(nw)
         self._saved = None
         self.hook_reason = nw.fallback
+        self.node_hooks = dict(nw.hooked_nodes)  # node index -> hook bits: the program yields there
         self.grad_dtypes = ()
         if hooks.grad_dtype_seen:  # the native key holds no leaf's grad_dtype: read once one was ever set
             self.grad_dtypes = leaf_grad_dtypes(nw)

@@ -16,6 +16,7 @@ from itertools import repeat
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from .. import native
 from . import hooks
 
 CPP, PYTHON, ACCUMULATE = "cpp", "python", "accumulate"
@@ -127,6 +128,8 @@ class Walk:
     # backward already ran the node and let go of it (see mark_hooked_released).
     hooked: dict = field(default_factory=dict)
     hook_reason: str | None = None
+    # Node index -> its hooks (node_hooks.h's bits: TENSOR_PRE_HOOKS, ...): the program yields there.
+    node_hooks: dict = field(default_factory=dict)
     # Whether the cache key this walk's plan goes under holds what autograd keeps in C++ only (the
     # native walker's key does: as_strided's input geometry), so that lowering may read it natively.
     native_key: bool = False
@@ -141,6 +144,8 @@ def walk(root_nodes) -> Walk:
     grad_dtypes = hooks.grad_dtype_seen  # else every leaf's grad_dtype is its dtype
     saved_hooks = hooks.saved_hooks_seen  # else no saved value has an unpack hook
     detached = hooks.inplace_detach_seen  # else no saved input was detached in place
+    # The native extension calls the hooks of a node at its yield point; without it they run eagerly.
+    ext_hooks = native.load() if hooks.hooks_seen else None
     for n in root_nodes:
         if n not in index:
             index[n] = len(nodes)
@@ -196,7 +201,7 @@ def walk(root_nodes) -> Walk:
                     if detached and (reason := detached_saved_reason(node, info)):
                         w.hook_reason = w.hook_reason or reason
         elif kind is ACCUMULATE:
-            extra = _leaf_extra(w, node.variable, grad_dtypes)
+            extra = _leaf_extra(w, node.variable, grad_dtypes, ext_hooks)
         else:
             extra = tuple(node.needs_input_grad)
             if saved_hooks and has_unpack_hook(node, info) and _note_hooked(w, node):  # opaque anyway
@@ -206,14 +211,49 @@ def walk(root_nodes) -> Walk:
         j = index.get(t.grad_fn)
         if j is None:
             continue
-        if t._backward_hooks:
-            w.hook_reason = f"a hook is registered on a non-leaf tensor (grad_fn {classes[j].name})"
+        if t._backward_hooks and ext_hooks is None:
+            w.hook_reason = f"a hook is registered on a non-leaf tensor (grad_fn {classes[j].name}){NO_EXTENSION}"
         if t.retains_grad:
             w.retained.append((j, t.output_nr, t))
     if w.retained:
         w.retained.sort(key=lambda r: (r[0], r[1]))
         key.append(("retain", tuple((j, nr) for j, nr, _ in w.retained)))
+    if ext_hooks is not None:
+        _read_hooks(w, ext_hooks)
+    elif hooks.hooks_seen and hooks.node_hooks_live():
+        w.hook_reason = w.hook_reason or NODE_HOOKS_UNSEEN
     return w
+
+
+# Hook bits (gpuautograd/native/node_hooks.h).
+TENSOR_PRE_HOOKS, PRE_HOOKS, POST_HOOKS, POST_ACC_GRAD_HOOKS = 1, 2, 4, 8
+NO_EXTENSION = " (hooks run inside the plan through the native extension, which is not in use)"
+NODE_HOOKS_UNSEEN = (
+    "hooks were registered on autograd nodes (grad_fn.register_hook or register_prehook, module backward hooks), "
+    "and only the native extension, which is not in use, can see which nodes carry them"
+)
+
+
+def _read_hooks(w: Walk, ext) -> None:
+    """Ask the extension for each node's hooks, as the native walk reads them (the same key field
+    for the same graph)."""
+    for i, node in enumerate(w.nodes):
+        bits = ext.hook_bits(node)
+        if bits:
+            w.node_hooks[i] = bits
+    if w.node_hooks:
+        w.key.append(("hooks", tuple(w.node_hooks.items())))
+
+
+def leaf_node_hook_reason(w: Walk) -> str | None:
+    """Hooks on an AccumulateGrad node itself, not on its leaf, are C++ hooks of DDP-like wrappers:
+    the distributed planner runs DDP's; outside it, such a backward runs eagerly. (The native walk
+    says so itself, in the same words.)"""
+    for i, bits in w.node_hooks.items():
+        if w.classes[i].kind is ACCUMULATE and bits & (PRE_HOOKS | POST_HOOKS):
+            kind = "pre-hook" if bits & PRE_HOOKS else "hook"
+            return f"a {kind} is registered on autograd node {w.classes[i].name} (grad_fn.register_hook or a C++ hook of a wrapper)"
+    return None
 
 
 def _unreadable(saved: list, start: int, error: RuntimeError) -> tuple:
@@ -226,12 +266,13 @@ def _unreadable(saved: list, start: int, error: RuntimeError) -> tuple:
 GRAD_DTYPE_ANY_REASON = "a leaf's grad_dtype is None (its .grad keeps the incoming dtype)"
 
 
-def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool) -> tuple:
+def _leaf_extra(w: Walk, var: torch.Tensor, grad_dtypes: bool, ext_hooks) -> tuple:
     """The key of an AccumulateGrad node; notes in `w.hook_reason` what only eager can honour."""
-    if var._backward_hooks:
-        w.hook_reason = "a hook is registered on a leaf tensor"
-    elif var._post_accumulate_grad_hooks:
-        w.hook_reason = "a post-accumulate-grad hook is registered on a leaf tensor"
+    if ext_hooks is None:
+        if var._backward_hooks:
+            w.hook_reason = "a hook is registered on a leaf tensor" + NO_EXTENSION
+        elif var._post_accumulate_grad_hooks:
+            w.hook_reason = "a post-accumulate-grad hook is registered on a leaf tensor" + NO_EXTENSION
     try:
         extra = (var.shape, var.stride(), var.dtype, var.device)
     except RuntimeError:  # a sparse CSR/CSC/BSR/BSC, MKLDNN or nested leaf has no strides

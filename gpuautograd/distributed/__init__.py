@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from ..degrade import Fallback
 from . import ddp, graph_task, registry
 
 
@@ -117,8 +118,6 @@ def check_graph(w, root_edges, input_edges, accumulate: bool) -> None:
     frame = stack[-1]
     result = ddp.plan(w, root_edges, input_edges, accumulate, frame.world_size)
     if isinstance(result, str):
-        from ..runtime.engine import Fallback  # engine imports this package: import at use
-
         raise Fallback(result)
     frame.hooks = result
 

@@ -4,10 +4,14 @@ Eager autograd runs every executed AccumulateGrad node's post hooks; DDP's reduc
 per parameter, and its body is `reducer._autograd_hook(index)`: mark the parameter's gradient
 ready, copy it into its bucket, launch the bucket's all-reduce (or comm hook) once the bucket is
 full, and queue the finalizer that waits for the buckets and writes the averaged gradients back.
-The functional backward has accumulated every `.grad` when `HookPlan.fire` runs, so calling the
-same hooks, for the same parameters, in the order eager would have, reproduces what eager DDP
-does: bucketing and bucket rebuilding, find_unused_parameters, no_sync, static_graph and any comm
-hook all stay the reducer's business.
+
+With the native extension, the program itself yields at each parameter's AccumulateGrad node,
+accumulates its .grad and calls the node's post hooks there, as eager's engine does (see
+ir/hook_ops.py): each bucket's all-reduce starts as soon as its last gradient is ready, while the
+rest of the backward runs. Without it, the hooks can't be called from Python, so `HookPlan.fire`
+calls `reducer._autograd_hook` for the same parameters, in the order eager would have, after the
+program has accumulated every `.grad` (no overlap). Either way bucketing and bucket rebuilding,
+find_unused_parameters, no_sync, static_graph and any comm hook stay the reducer's business.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 from .. import native
 from ..capture.lower import _topological_order
-from ..capture.walk import ACCUMULATE, PYTHON
+from ..capture.walk import ACCUMULATE, POST_HOOKS, PYTHON
 from . import detect, registry
 
 _python_tags: dict[type, str | None] = {}  # custom Function node class -> detect.python_node_tag
@@ -121,7 +125,9 @@ def plan(w, root_edges, input_edges, accumulate: bool, world_size: int) -> HookP
         rank = {i: r for r, i in enumerate(_topological_order(w))}
         leaves.sort(key=lambda leaf: rank[leaf[0]])
     hooks = []
-    for _, owners in leaves:
+    for i, owners in leaves:
+        if w.node_hooks.get(i, 0) & POST_HOOKS:
+            continue  # the program runs the node's hooks at the leaf's yield point (ir/hook_ops.py)
         for ddp, rec, k in owners:
             if not rec.hooks_removed:
                 hooks.append((ddp.reducer._autograd_hook, k))

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..capture import hooks
+
 
 @dataclass
 class DDPRecord:
@@ -49,6 +51,7 @@ def register(ddp, parameters, expect_sparse) -> None:
     params = list(parameters)
     if not all(isinstance(p, torch.Tensor) for p in params):
         return  # not the list we know: leave the module unknown, so its leaves fall back
+    hooks.note_hooks()  # the reducer hooks the parameters: the Python walk reads their bits from now on
     sparse = [bool(s) for s in expect_sparse] if expect_sparse is not None else [False] * len(params)
     ids = [id(p) for p in params]
     old = _records.get(ddp)

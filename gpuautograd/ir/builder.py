@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .ops import get_op
+from .ops import OPAQUE, get_op
 from .program import InputSpec, Instr, Operand, OutputSpec, Program, Value
 from .types import NodeType, TensorType
 
@@ -59,7 +59,7 @@ class Builder:
             raise IRError(f"cannot infer the type of {op}({shown}) {attrs} [for {self.origin}]: {e}") from e
         outs = tuple(None if t is None else self._new_value(t) for t in out_types)
         self.program.instrs.append(Instr(op, tuple(inputs), dict(attrs), outs, self.origin))
-        return outs[0] if len(outs) == 1 and op != "opaque" else outs
+        return outs[0] if len(outs) == 1 and opdef.kind != OPAQUE else outs
 
     def copy(self, instr: Instr, inputs: Sequence[Operand]) -> tuple[Value | None, ...]:
         """Append `instr` on new operands, with fresh outputs of the types it recorded (passes that

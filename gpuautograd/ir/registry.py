@@ -24,7 +24,7 @@ INDEX = "index"  # gather / scatter / index_put: data-dependent indexing
 CREATION = "creation"
 SCAN = "scan"  # cumulative ops along one dim: the output has the input's shape
 EXTERN = "extern"  # one library call (matmul, convolution backward, attention backward, ...)
-OPAQUE = "opaque"  # a call of a live autograd node
+OPAQUE = "opaque"  # a call of Python on the host: a live autograd node, or a node's hooks
 COMPOSITE = "composite"  # one aten backward kernel for the reference executor; `decompose` for fusion
 
 

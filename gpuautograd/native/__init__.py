@@ -6,7 +6,7 @@ processes building at once take turns on a lock file; each build happens in a te
 directory that is renamed into place only when complete, so a half-built cache never exists.
 
 Without a compiler, or when the build fails, `load()` returns None and says why once: the
-Python walk then runs (slower, and blind to hooks on C++ nodes). GPUAUTOGRAD_NATIVE=0 skips the
+Python walk then runs (slower, and a backward with hooks runs eagerly). GPUAUTOGRAD_NATIVE=0 skips the
 native walker; =1 turns a failed build into an error.
 """
 
@@ -27,10 +27,13 @@ from .. import flags
 from ..degrade import describe_error, report
 from . import readers
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "walker.cpp")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "walker.cpp")
+SOURCES = [SOURCE, os.path.join(HERE, "node_hooks.cpp")]
+HEADERS = [os.path.join(HERE, "node_hooks.h")]
 BUILDING = "building gpuautograd's native walker, about a minute, once"
 LOST = (
-    "the hit path is slower (5-10 µs per autograd node) and hooks on C++ autograd nodes (grad_fn.register_hook, register_prehook) go unseen"
+    "the hit path is slower (5-10 µs per autograd node), and a backward with hooks runs eagerly (only the extension calls a node's hooks)"
 )
 
 
@@ -47,7 +50,7 @@ def _tag() -> str:
     """The build's name: torch's version, then a hash of what goes into it (the source, the
     readers' generator and the installed torch's Functions.h they are generated from)."""
     digest = hashlib.sha256()
-    for path in (SOURCE, readers.__file__, readers.header_path()):
+    for path in (*SOURCES, *HEADERS, readers.__file__, readers.header_path()):
         with open(path, "rb") as f:
             digest.update(f.read())
     digest = digest.hexdigest()[:16]
@@ -94,9 +97,9 @@ def _build(tag: str, final: str):
         readers.write(scratch)  # saved_readers.inc, which walker.cpp includes
         module = cpp_extension.load(
             name=f"gpuautograd_native_{tag}",
-            sources=[SOURCE],
+            sources=SOURCES,
             build_directory=scratch,
-            extra_include_paths=[scratch],
+            extra_include_paths=[scratch, HERE],
             extra_cflags=["-O2"],
             verbose=False,
         )

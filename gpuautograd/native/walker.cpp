@@ -12,6 +12,8 @@
 
 #include <torch/extension.h>
 
+#include "node_hooks.h"
+
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -58,6 +60,7 @@ enum Tag : uint8_t {
   kHooked,  // a node whose saved values carry unpack hooks: it runs opaque
   kGrad,    // an incoming gradient of a root
   kRead,    // a node's saved values, read by its generated reader (saved_readers.inc)
+  kHookBits,  // a node with Python-visible hooks (node_hooks.h's bits): the program yields there
 };
 
 // The bytes of a Python bytes object, without a copy.
@@ -1097,6 +1100,8 @@ class NativeWalk {
   size_t size() const { return nodes_.size(); }
   std::optional<std::string> unsupported() const { return unsupported_; }
   std::optional<std::string> fallback() const { return fallback_; }
+  // (node index, hook bits) of each node with hooks, in walk order.
+  const std::vector<std::pair<int64_t, int64_t>>& hooked_nodes() const { return hooked_nodes_; }
   py::tuple root_edges() const { return edge_objects(root_edges_); }
   py::tuple input_edges() const { return edge_objects(input_edges_); }
 
@@ -1161,7 +1166,7 @@ class NativeWalk {
     } else {
       put_cpp(i, type);
     }
-    check_node_hooks(*node, acc != nullptr);
+    check_node_hooks(i, *node, acc);
   }
 
   static bool equal(PyObject* a, PyObject* b) {
@@ -1229,12 +1234,6 @@ class NativeWalk {
       return;
     }
     put_tensor_meta(key_, var);
-    // The Python walk's leaf checks, with its words (parity of fallback reasons).
-    if (!acc.tensor_pre_hooks().empty()) {
-      set_fallback("a hook is registered on a leaf tensor");
-    } else if (acc.tensor_post_acc_grad_hooks() != nullptr) {
-      set_fallback("a post-accumulate-grad hook is registered on a leaf tensor");
-    }
   }
 
   // The THPFunction of a node defined in Python (a PyNode), else nullptr. PyNode's type info is
@@ -1364,15 +1363,37 @@ class NativeWalk {
     }
   }
 
-  // Hooks on the node itself: eager runs them, the functional backward can't.
-  void check_node_hooks(Node& node, bool is_leaf) {
-    if (!node.pre_hooks().empty()) {
-      set_fallback("a pre-hook is registered on autograd node " + node.name() + " (grad_fn.register_prehook or a module backward hook)");
-    } else if (!node.post_hooks().empty()) {
-      set_fallback("a hook is registered on autograd node " + node.name() + " (grad_fn.register_hook or a module backward hook)");
-    } else if (!is_leaf && !node.tensor_pre_hooks().empty()) {
-      set_fallback("a hook is registered on a non-leaf tensor (grad_fn " + node.name() + ")");
+  // Hooks on the node: the program yields to the host there and runs them (node_hooks.cpp), so
+  // which hooks hang where is part of the key. The emptiness checks first: no node has hooks on
+  // the common hit. Hooks on an AccumulateGrad node itself (not its leaf's) are C++ hooks of
+  // DDP-like wrappers, which the distributed planner drives, or the eager engine.
+  void check_node_hooks(size_t i, Node& node, AccumulateGrad* acc) {
+    using namespace gpuautograd;
+    int64_t bits = 0;
+    if (!node.tensor_pre_hooks().empty()) {
+      bits |= kTensorPreHooks;
     }
+    if (!node.pre_hooks().empty()) {
+      bits |= kPreHooks;
+    }
+    if (!node.post_hooks().empty()) {
+      bits |= kPostHooks;
+    }
+    if (acc != nullptr && acc->tensor_post_acc_grad_hooks() != nullptr) {
+      bits |= kPostAccGradHooks;
+    }
+    if (bits == 0) {
+      return;
+    }
+    if (acc != nullptr && (bits & (kPreHooks | kPostHooks))) {
+      set_fallback(std::string("a ") + ((bits & kPreHooks) ? "pre-hook" : "hook") + " is registered on autograd node " +
+                   node.name() + " (grad_fn.register_hook or a C++ hook of a wrapper)");
+      return;
+    }
+    key_.put(kHookBits);
+    key_.put(static_cast<int64_t>(i));
+    key_.put(bits);
+    hooked_nodes_.emplace_back(static_cast<int64_t>(i), bits);
   }
 
   static std::string first_line(const char* what) {
@@ -1396,6 +1417,7 @@ class NativeWalk {
   std::vector<std::optional<Edge>>& input_edges_ = buffers_->input_edges;
   std::optional<std::string> unsupported_;  // this graph needs the Python walk
   std::optional<std::string> fallback_;  // this backward must run eagerly
+  std::vector<std::pair<int64_t, int64_t>> hooked_nodes_;
 };
 
 // The Python walk's nodes are Python objects: a C++ node's object holds the node.
@@ -1556,6 +1578,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("read_by_readers", &NativeWalk::read_by_readers)
       .def_property_readonly("unsupported", &NativeWalk::unsupported)
       .def_property_readonly("fallback", &NativeWalk::fallback)
+      .def_property_readonly("hooked_nodes", &NativeWalk::hooked_nodes)
       .def_property_readonly("root_edges", &NativeWalk::root_edges)
       .def_property_readonly("input_edges", &NativeWalk::input_edges)
       .def("__len__", &NativeWalk::size)
@@ -1598,6 +1621,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("loss_grad", &loss_grad, "loss.backward()'s implicit gradient where the short entry may take it (native walker on, no global state), else None.");
   m.def("walk_lookup", &walk_lookup, "walk(), NativeWalk.match() and PlanCache.get() in one call: (the walk, the cached entry for its key or None).");
   m.def("as_strided_geometry", &as_strided_geometry, "(sizes, strides, storage offset) of an AsStridedBackward0 node's input, else None.");
+  gpuautograd::register_node_hooks(m);
   m.def("post_hook_count", &post_hook_count, "The number of C++ post hooks of a C++ autograd node.");
   m.def("deliver", &deliver_to_python_nodes, "LeafDelivery for the Python walk's node list.");
   m.def("walk", &walk,

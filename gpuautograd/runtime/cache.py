@@ -37,6 +37,7 @@ class Entry:
     functional_nodes: list[int] = field(default_factory=list)  # released before the run
     fallback_reason: str | None = None  # set when this graph must run eagerly
     cpp_opaque: bool = False  # an opaque node is a C++ node (its graph task must be backward()-like)
+    yields: bool = False  # the program yields to the host to run hooks (ir/hook_ops.py)
     keepalive: Any = None  # what a native key refers to by address (the Python walk's key)
     native_arguments: Any = None  # arg_plan as the extension's ArgumentPlan (native walks only)
     python_binding: Any = None  # arg_plan and the release as engine.PythonBinding (Python walks only)
@@ -193,7 +194,24 @@ def _short_path_digest(key) -> int | None:
 def structure_of(key) -> tuple:
     """The part of a key that names the graph, not the sizes: node types, edges, roots, inputs."""
     backend, mode, _root_metas, roots, inputs, nodes = key
-    return (backend, mode, roots, inputs, tuple(e[:2] if isinstance(e[0], type) else e for e in nodes))
+    # hooks added or removed are a guard of the same structure (explain_miss names them)
+    return (backend, mode, roots, inputs, tuple(e[:2] if isinstance(e[0], type) else e for e in nodes if e[0] != "hooks"))
+
+
+HOOK_NAMES = ((1, "tensor hooks"), (2, "pre-hooks"), (4, "post-hooks"), (8, "post-accumulate-grad hooks"))
+
+
+def _hooks_of(nodes) -> dict:
+    return next((dict(e[1]) for e in nodes if e[0] == "hooks"), {})
+
+
+def _explain_hooks(old: dict, new: dict, classes) -> str:
+    for i in sorted(old.keys() | new.keys()):
+        a, b = old.get(i, 0), new.get(i, 0)
+        if a != b:
+            names = lambda bits: ", ".join(n for bit, n in HOOK_NAMES if bits & bit) or "no hooks"  # noqa: E731
+            return f"node {i} ({classes[i].name}) hooks changed: {names(a)} -> {names(b)}"
+    return "new graph structure"
 
 
 def _fmt_meta(meta) -> str:
@@ -212,6 +230,9 @@ def explain_miss(old, new, classes) -> str:
             if name == "root gradients":
                 return f"root gradient changed: {', '.join(map(_fmt_meta, a))} -> {', '.join(map(_fmt_meta, b))}"
             return f"{name} changed: {a!r} -> {b!r}"
+    hooks_old, hooks_new = _hooks_of(old[-1]), _hooks_of(new[-1])
+    if hooks_old != hooks_new:
+        return _explain_hooks(hooks_old, hooks_new, classes)
     for i, (a, b) in enumerate(zip(old[-1], new[-1])):
         if a == b:
             continue

@@ -19,10 +19,11 @@ from .. import distributed, flags, native
 from ..capture import hooks, native_walk
 from ..capture.lower import EagerOnly, Request, lower
 from ..capture.native_walk import NATIVE, PYTHON
-from ..capture.walk import CPP, mark_hooked_released, release_plan, release_planned, release_saved, tensor_meta, walk
-from ..degrade import report
+from ..capture.walk import CPP, leaf_node_hook_reason, mark_hooked_released, release_plan, release_planned, release_saved, tensor_meta, walk
+from ..degrade import Fallback, report
 from ..distributed import graph_task
 from ..fusion.partition import plan_fusion
+from ..ir.hook_ops import HookResultError
 from ..ir.ops import UNDEFINED_ATTR, get_op
 from ..ir.program import Program, Value
 from ..ir.types import TensorType
@@ -39,10 +40,6 @@ from .replay import bound_or_fused
 
 CACHE = PlanCache()
 hooks.on_eval_dropout.append(CACHE.clear)  # plans may hold the training-mode dropout rule
-
-
-class Fallback(Exception):
-    """This backward can't be honored functionally; run eager autograd instead (reason in args)."""
 
 
 def _backend(backend: str | None, t: torch.Tensor) -> str:
@@ -209,6 +206,8 @@ def _general(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend
     distributed.check_graph(w, root_edges, input_edges, accumulate)  # distributed: DDP's C++ hooks; raises Fallback
     if w.hook_reason:
         raise Fallback(w.hook_reason)
+    if w.walker == PYTHON and w.node_hooks and not distributed.in_graph_task() and (reason := leaf_node_hook_reason(w)):
+        raise Fallback(reason)
     st = stats_module.STATS
     entry = CACHE.get(key)
     if entry is None:
@@ -217,11 +216,21 @@ def _general(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend
         st.cache_hits += 1
     if entry.fallback_reason:
         raise Fallback(entry.fallback_reason)
-    if entry.opaque_nodes and not distributed.in_graph_task():
+    if entry.yields:
+        try:
+            return _run_general(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
+        except HookResultError as e:  # raised as it is; the next backward of this graph runs eagerly
+            entry.fallback_reason, entry.short_path = str(e), None
+            raise
+    return _run_general(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
+
+
+def _run_general(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: bool, input_edges):
+    if (entry.opaque_nodes or entry.yields) and not distributed.in_graph_task():
         # A custom Function's backward expects to run inside an autograd graph task, as in eager:
         # queue_callback, the task's keep_graph, checkpoint's check against .grad(), and reentrant
-        # backwards that the engine moves to a fresh thread when they nest deep. So a backward with
-        # an opaque node runs as the backward of a one-node graph. Measured with bench.hit_path
+        # backwards that the engine moves to a fresh thread when they nest deep; so do hooks. So a
+        # backward with an opaque node or a yield point runs as the backward of a one-node graph. Measured with bench.hit_path
         # --opaque (see bench/RESULTS.md), and only such backwards pay it.
         body = functools.partial(_execute, w, entry, grads, retain_graph, inputs, accumulate, input_edges)
         # A C++ node computes only the outputs the running graph task needs, and a grad()-like task
@@ -433,6 +442,7 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
         if w.hook_reason:
             raise Fallback(w.hook_reason)
         w.native_key = True
+        w.node_hooks = native_w.node_hooks  # read on every node (the Python walk asks only once hooks were seen)
     refused = _note_miss(w, key, py_key)
     if refused is not None:
         return refused
@@ -495,7 +505,7 @@ def _put(key, entry: Entry) -> Entry:
 def _short_path(entry: Entry) -> tuple | None:
     """What _native_hit runs a hit of `entry` with, where every result goes to a leaf's .grad
     (no fallback, opaque node, retained grad, grad() result, or custom backward's None)."""
-    if entry.fallback_reason or entry.opaque_nodes or entry.native_arguments is None or entry.leaf_delivery is None:
+    if entry.fallback_reason or entry.opaque_nodes or entry.yields or entry.native_arguments is None or entry.leaf_delivery is None:
         return None
     if entry.other_sinks or entry.maybe_undefined:
         return None
@@ -542,10 +552,12 @@ def build_entry(w, grads, root_edges, input_edges, accumulate: bool, backend: st
         compiled = compile_reference(program)
     owned, opaque_results = owned_outputs(program)
     sinks = [(spec.kind, spec.index, spec.slot, own, spec.sources) for (_, spec), own in zip(program.outputs, owned)]
-    opaque = sorted({spec.index for _, spec in program.inputs if spec.kind == "node"})
+    node_inputs = {id(v): spec.index for v, spec in program.inputs if spec.kind == "node"}
+    opaque = sorted({node_inputs[id(instr.inputs[0])] for instr in program.instrs if instr.op == "opaque"})
     functional = [i for i in program.executed if i not in set(opaque)]
     cpp_opaque = any(w.classes[i].kind == CPP for i in opaque)
     entry = Entry(program, compiled, arg_plan, sinks, opaque, functional, cpp_opaque=cpp_opaque)
+    entry.yields = any(instr.op == "node_hooks" for instr in program.instrs)
     entry.replay_native = getattr(compiled, "replay_native", None)
     entry.maybe_undefined = [(k, sink[4]) for k, sink in enumerate(sinks) if sink[4]]
     _plan_leaf_delivery(entry, opaque_results)

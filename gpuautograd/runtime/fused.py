@@ -22,12 +22,13 @@ from ..fusion.partition import ROW_MAJOR_RESULTS, FusionPlan, Kernel, Library, p
 from ..ir.ops import get_op
 from ..ir.printer import format_instr
 from ..ir.program import Program, Value
+from ..ir.registry import OPAQUE
 from ..ir.types import TensorType
 from .memory import Interval, MemoryPlan, plan_memory
 from .reference import inline_view, local_name
 
 # Library calls that may hand back their input: what they read must not live in the arena.
-MAY_ALIAS_INPUT = {"opaque", "to_device", "view_as_real", "view_as_complex"}
+MAY_ALIAS_INPUT = {"opaque", "node_hooks", "to_device", "view_as_real", "view_as_complex"}
 # Library calls that can write into a planned buffer (`out=`), so their results join the arena.
 WRITES_INTO = {"mm": "torch.mm", "bmm": "torch.bmm"}
 
@@ -238,7 +239,7 @@ class _Writer:
             if o is not None:
                 self.host[o.name] = local_name(o)
                 nbytes += _nbytes(o)
-        many = len(outs) > 1 or instr.op == "opaque"
+        many = len(outs) > 1 or get_op(instr.op).kind == OPAQUE
         lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
         self.lines.append(f"    {lhs} = {fn}({', '.join(args)})  # library: {format_instr(instr)}")
         if instr.op in ROW_MAJOR_RESULTS:  # kernels index it as row-major; keep that true whatever the library did

@@ -14,6 +14,7 @@ import torch
 
 from ..ir.ops import get_op
 from ..ir.program import Program, Value
+from ..ir.registry import OPAQUE
 from .reference_folds import plan_folds
 
 # Ops written as one Python expression, not a call of their reference implementation: those are
@@ -149,14 +150,14 @@ def compile_reference(program: Program) -> CompiledProgram:
 
     maybe_sparse: set[int] = set()  # values that come straight from an opaque node (see _add)
     for k, instr in enumerate(program.instrs):
-        if instr.op == "opaque" or (instr.op == "cast" and id(instr.inputs[0]) in maybe_sparse):
+        if get_op(instr.op).kind == OPAQUE or (instr.op == "cast" and id(instr.inputs[0]) in maybe_sparse):
             maybe_sparse.update(id(o) for o in instr.outputs if o is not None)
         if k in absorbed:
             continue
         fold = folds.get(k)
         args = [_operand_source(x, env) for x in operands[k]]
         outs = ["_" if o is None else local_name(o) for o in instr.outputs]
-        many = len(outs) > 1 or instr.op == "opaque"
+        many = len(outs) > 1 or get_op(instr.op).kind == OPAQUE
         lhs = ", ".join(outs) + ("," if many and len(outs) == 1 else "")
         note = f"  # {program.instrs[fold.absorbed].op}, {instr.op}" if fold is not None else ""
         # A custom backward may return a sparse gradient: its sums take ops.py's layout-aware add.

@@ -304,15 +304,17 @@ class BoundProgram(FusedProgram):
 
     def _replay(self, D: dict):
         self.table.begin()
-        self._upload(0, D)
-        for item in self.schedule:
-            if isinstance(item, Segment):
-                self._run_segment(item)
-            else:
-                self.env[item.name](D)
-                self._conform(item, D)
-                self._upload(item.group, D)
-        self.table.end()
+        try:  # an eager step (a hook, a custom backward) may raise: the host buffer is still marked
+            self._upload(0, D)
+            for item in self.schedule:
+                if isinstance(item, Segment):
+                    self._run_segment(item)
+                else:
+                    self.env[item.name](D)
+                    self._conform(item, D)
+                    self._upload(item.group, D)
+        finally:
+            self.table.end()
         self.replays += 1
         stats_module.STATS.replays += 1
         outs = self.env["outputs"](D)
@@ -580,7 +582,7 @@ class BoundProgram(FusedProgram):
         finally:
             if cuda:  # also on an error: what the side stream still reads is freed on this one
                 current.wait_stream(side)
-        self.table.end()
+            self.table.end()
         return outs
 
     def _capture(self) -> None:

@@ -224,6 +224,43 @@ def comm_hooks(rank, device):
         assert_functional(name)
 
 
+def overlap(rank, device):
+    """Each bucket's all-reduce starts while the backward still runs, as in eager: a comm hook and a
+    hook on the first layer's output record their order, which must be eager's, with the last
+    layer's bucket launched before the first layer's gradient exists."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    eager, ours, oe, oo = twins(device, bucket_cap_mb=0.0005)
+    logs = {}
+    for model in (eager, ours):
+        log = logs[id(model)] = []
+
+        def launch(process_group, bucket, log=log):
+            log.append("all-reduce")
+            return allreduce_hook(process_group, bucket)
+
+        def watch(module, args, out, log=log):
+            out.register_hook(lambda g: log.append("first layer gradient"))
+
+        model.register_comm_hook(None, launch)
+        model.module.inp.register_forward_hook(watch)
+    for step in range(3):
+        for log in logs.values():
+            log.clear()
+        oe.zero_grad(set_to_none=True)
+        oo.zero_grad(set_to_none=True)
+        x = batch(rank, step, device)
+        step_both(eager, ours, lambda m, x=x: m(x).pow(2).mean(), f"overlap step {step}")
+        assert logs[id(ours)] == logs[id(eager)], f"step {step}: {logs[id(ours)]} where eager has {logs[id(eager)]}"
+        if step > 0:  # the first backward runs one bucket; DDP rebuilds them after it
+            log = logs[id(ours)]
+            assert log.index("all-reduce") < log.index("first layer gradient"), log
+        oe.step()
+        oo.step()
+        compare(eager, ours, f"overlap after optimizer step {step}")
+    assert_functional("overlap")
+
+
 # --- unsupported: detected, run eagerly with a warning naming the reason ------------------------
 
 
@@ -290,6 +327,7 @@ SCENARIOS = {
     "no_sync": lambda rank, world, device: no_sync_accumulation(rank, device),
     "static_graph": lambda rank, world, device: static_graph(rank, device),
     "comm_hooks": lambda rank, world, device: comm_hooks(rank, device),
+    "overlap": lambda rank, world, device: overlap(rank, device),
     "unknown_leaves": lambda rank, world, device: unknown_leaves(rank, device),
     "unused_output": lambda rank, world, device: unused_output(rank, device),
     "fsdp2": lambda rank, world, device: fsdp2(rank, device),  # last: live FSDP2 modules rule out DDP

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is unavailable"
 )
 
-SUPPORTED = ["bucketed", "find_unused", "no_sync", "static_graph", "comm_hooks"]
+SUPPORTED = ["bucketed", "find_unused", "no_sync", "static_graph", "comm_hooks", "overlap"]
 UNSUPPORTED = ["unknown_leaves", "unused_output", "fsdp2"]
 
 

@@ -1,6 +1,6 @@
 """Host cost of a cache hit, per autograd node, next to eager backward of the same model.
 
-    python -m bench.hit_path [--iters N] [--model gpt|mlp|llama|cnn|gpt-ckpt] [--json] [--phases] [--opaque]
+    python -m bench.hit_path [--iters N] [--model gpt|mlp|llama|cnn|gpt-ckpt] [--json] [--phases] [--opaque] [--hooks]
 
 Every figure comes from one run with the variants interleaved iteration by iteration, so machine
 noise hits them alike; ratios are what to compare. Reported per iteration, median of N:
@@ -16,6 +16,9 @@ tensors as eager does), run (the compiled program) and deliver (.grad accumulati
 an opaque node: what a backward that runs a custom Function's backward costs. `--graph-task-ab`
 (with --opaque) measures, in alternating rounds, that backward run inside its one-node graph task
 (as gpuautograd runs it) and called directly (as it ran before), to price the graph task.
+`--hooks` gives every nn.Linear a module full backward hook that returns nothing (as Opacus and
+Captum hang them): both backwards call them, gpuautograd's at its yield points (one eager step per
+hook, and the leaves delivered at eager's point).
 `--model gpt-ckpt` is gpt with each block under non-reentrant activation checkpointing: both
 backwards recompute the blocks, and gpuautograd runs the checkpointed nodes opaque.
 """
@@ -59,10 +62,19 @@ def _forward(model, make_batch, loss_fn, batch, opaque=False):
     return _Identity.apply(loss) if opaque else loss
 
 
-def measure(name: str = "gpt", iters: int = 50, threads: int = 1, walkers=WALKERS, opaque: bool = False) -> dict:
+def _hook_every_linear(model) -> int:
+    calls = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_full_backward_hook(lambda module, grad_input, grad_output: calls.append(None))
+    return sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
+def measure(name: str = "gpt", iters: int = 50, threads: int = 1, walkers=WALKERS, opaque: bool = False, hooks: bool = False) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, make_batch, loss_fn = MODELS[name]()
+    hooked = _hook_every_linear(model) if hooks else 0
     batch = make_batch(torch.Generator().manual_seed(0))
     loss = _forward(model, make_batch, loss_fn, batch, opaque)
     num_nodes = gpuautograd.explain(loss).num_nodes
@@ -99,7 +111,7 @@ def measure(name: str = "gpt", iters: int = 50, threads: int = 1, walkers=WALKER
                 times[f"hit[{walker}]"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "model": name + (" + custom Function" if opaque else ""),
+        "model": name + (" + custom Function" if opaque else "") + (f" + {hooked} module backward hooks" if hooks else ""),
         "nodes": num_nodes,
         "threads": threads,
         "walkers": list(walkers),
@@ -186,6 +198,7 @@ def main(argv=None) -> None:
     p.add_argument("--phases", action="store_true", help="split a hit into its steps, in thread CPU time")
     p.add_argument("--opaque", action="store_true", help="pass the loss through a custom autograd.Function")
     p.add_argument("--graph-task-ab", action="store_true", help="price the graph task a backward with an opaque node runs in")
+    p.add_argument("--hooks", action="store_true", help="a module full backward hook on every nn.Linear")
     args = p.parse_args(argv)
     if args.graph_task_ab:
         return graph_task_ab(args.model, args.iters)
@@ -197,7 +210,7 @@ def main(argv=None) -> None:
         if args.json:
             print(json.dumps(med))
         return
-    r = measure(args.model, args.iters, args.threads, available_walkers(), args.opaque)
+    r = measure(args.model, args.iters, args.threads, available_walkers(), args.opaque, args.hooks)
     print(f"model {r['model']}: {r['nodes']} autograd nodes, {r['threads']} thread(s), median of {args.iters} interleaved runs")
     print(f"{'':>16} {'us/backward':>12} {'us/node':>9} {'vs eager':>9}")
     rows = ["eager"] + [f"{k}[{w}]" for w in r["walkers"] for k in ("hit", "walk+key")]

@@ -18,7 +18,8 @@ an opaque node: what a backward that runs a custom Function's backward costs. `-
 (as gpuautograd runs it) and called directly (as it ran before), to price the graph task.
 `--hooks` gives every nn.Linear a module full backward hook that returns nothing (as Opacus and
 Captum hang them): both backwards call them, gpuautograd's at its yield points (one eager step per
-hook, and the leaves delivered at eager's point).
+hook, and the leaves delivered at eager's point). Native walker only: without the extension a
+backward with hooks runs eagerly.
 `--model gpt-ckpt` is gpt with each block under non-reentrant activation checkpointing: both
 backwards recompute the blocks, and gpuautograd runs the checkpointed nodes opaque.
 """
@@ -75,6 +76,8 @@ def measure(name: str = "gpt", iters: int = 50, threads: int = 1, walkers=WALKER
     torch.manual_seed(0)
     model, make_batch, loss_fn = MODELS[name]()
     hooked = _hook_every_linear(model) if hooks else 0
+    if hooks:  # the Python walk's variant disables the extension, and without it hooks run eagerly
+        walkers = [w for w in walkers if w == "native"]
     batch = make_batch(torch.Generator().manual_seed(0))
     loss = _forward(model, make_batch, loss_fn, batch, opaque)
     num_nodes = gpuautograd.explain(loss).num_nodes

@@ -139,13 +139,11 @@ def lower(w: Walk, req: Request) -> Program:
     node_hooks = w.node_hooks
 
     def yield_point(i: int, stage: str, values: list, types: tuple) -> list:
-        origin = b.origin
-        while ready_leaves:
-            j, g = ready_leaves.pop(0)
-            b.origin = w.classes[j].name
-            _yield(b, w, j, "accumulate", [g], _types_of([g]))
-            delivered.add(j)
-        b.origin = origin
+        if ready_leaves:
+            nodes = [_node_input(b, w, j) for j, _ in ready_leaves]
+            b.emit("deliver_leaves", *nodes, *(g for _, g in ready_leaves), count=len(nodes))
+            delivered.update(j for j, _ in ready_leaves)
+            ready_leaves.clear()
         return _yield(b, w, i, stage, values, types)
 
     for i in order:
@@ -171,7 +169,7 @@ def lower(w: Walk, req: Request) -> Program:
                     # Its hooks read .grad: an optimizer step in the backward, or DDP's reducer,
                     # which launches a bucket's all-reduce as soon as its last gradient is ready.
                     # (Eager runs an AccumulateGrad node's post hooks even on an undefined gradient.)
-                    yield_point(i, "accumulate", grads[:1], _types_of(grads[:1]))
+                    yield_point(i, "accumulate", grads[:1], (None,))
                     delivered.add(i)
                 elif grads[0] is not None:
                     ready_leaves.append((i, grads[0]))
@@ -242,14 +240,20 @@ def _types_of(values) -> tuple:
     return tuple(None if v is None else (v.type.shape, v.type.dtype, v.type.device) for v in values)
 
 
+def _node_input(b: Builder, w: Walk, i: int) -> Value:
+    name = w.classes[i].name
+    return b.input(NodeType(name), InputSpec("node", i, name))
+
+
 def _yield(b: Builder, w: Walk, i: int, stage: str, values: list, types: tuple) -> list:
     """A yield point: the host runs node i's hooks of this stage (ir/hook_ops.py) on `values`;
     returns what the rest of the program reads instead of the first len(types) of them."""
-    name = w.classes[i].name
-    node_value = b.input(NodeType(name), InputSpec("node", i, name))
     present = tuple(v is not None for v in values)
     args = [v for v in values if v is not None]
-    outs = b.emit("node_hooks", node_value, *args, stage=stage, present=present, types=types, label=name)
+    attrs = dict(stage=stage, present=present, types=types, label=w.classes[i].name)
+    if stage == "accumulate":
+        attrs["post_hooks"] = bool(w.node_hooks.get(i, 0) & POST_HOOKS)
+    outs = b.emit("node_hooks", _node_input(b, w, i), *args, **attrs)
     return list(outs)
 
 

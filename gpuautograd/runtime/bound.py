@@ -38,7 +38,7 @@ from .reference import local_name
 # Steps a CUDA graph can't hold: an opaque node calls Python (a custom Function's backward), so do
 # a node's hooks (a yield point), a device move synchronizes. They run on the host between
 # captured segments.
-EAGER_OPS = {"opaque", "node_hooks", "to_device"}
+EAGER_OPS = {"opaque", "node_hooks", "deliver_leaves", "to_device"}
 # Library calls GPUAUTOGRAD_EXTERN_BINDING=table runs as triton_kernels.table_matmul, and its dtypes.
 TABLE_MATMUL_OPS = {"mm", "bmm"}
 TABLE_MATMUL_DTYPES = {torch.float32, torch.float16, torch.bfloat16}

@@ -138,12 +138,15 @@ def lower(w: Walk, req: Request) -> Program:
     ready_leaves: list[tuple[int, Value]] = []
     node_hooks = w.node_hooks
 
-    def yield_point(i: int, stage: str, values: list, types: tuple) -> list:
+    def deliver_ready() -> None:
         if ready_leaves:
             nodes = [_node_input(b, w, j) for j, _ in ready_leaves]
             b.emit("deliver_leaves", *nodes, *(g for _, g in ready_leaves), count=len(nodes))
             delivered.update(j for j, _ in ready_leaves)
             ready_leaves.clear()
+
+    def yield_point(i: int, stage: str, values: list, types: tuple) -> list:
+        deliver_ready()
         return _yield(b, w, i, stage, values, types)
 
     for i in order:
@@ -204,6 +207,7 @@ def lower(w: Walk, req: Request) -> Program:
         if rule is None and _passes_through(w.nodes[i], info):
             outs, own = _pass_through(b, w, i, grads, [_meta_type(m) for m in metas[i]]), False
         elif rule is None or outs is None:
+            deliver_ready()  # in a program with hooks, a custom backward sees .grad as in eager too
             none_ok = tuple(sole_to_sink(e) for e in edges[i])
             outs = _opaque(b, w, i, grads, [_meta_type(m) for m in metas[i]], out_types, needs, none_ok)
         merged = _merged(node_sources.values())

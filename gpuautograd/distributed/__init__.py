@@ -1,9 +1,9 @@
-"""gpuautograd under torch.distributed: DistributedDataParallel runs functionally; what would
-skip C++ hooks (FSDP, unknown wrappers) runs eagerly with a warning naming it.
+"""gpuautograd under torch.distributed: DistributedDataParallel and FSDP2 run functionally; what
+would skip C++ hooks (FSDP1, tensor parallel, unknown wrappers) runs eagerly with a warning naming it.
 
 The core calls three functions, each from one marked place:
 - `global_fallback_reason()` from api's fallback predicate: what rules out every multi-rank
-  backward (a torch whose DDP can't be recognized, FSDP2 modules alive).
+  backward (a torch whose DDP can't be recognized, replicate() modules alive).
 - `run_engine(engine.run, ...)` from api: when a process group is initialized, the backward runs
   inside an autograd graph task (`graph_task.py`), and the reducer hooks planned for it fire after
   it has accumulated every gradient.

@@ -85,6 +85,8 @@ def plan(w, root_edges, input_edges, accumulate: bool, world_size: int) -> HookP
     ext = native.load()  # counts the AccumulateGrad nodes' own hooks (None: unseen)
     leaves = []  # (node index, [(ddp, record, reducer index)])
     sinks = []
+    fsdp2 = None  # the ids of FSDP2's unsharded parameters, read once a leaf needs them
+    fsdp2_post_backward = False
     for i, c in enumerate(classes):
         kind = c.kind
         if kind is ACCUMULATE:
@@ -98,13 +100,20 @@ def plan(w, root_edges, input_edges, accumulate: bool, world_size: int) -> HookP
             if owners:
                 leaves.append((i, owners))
             elif world_size > 1:
-                return detect.describe_unknown_leaf(var)
+                fsdp2 = detect.fsdp2_leaves() if fsdp2 is None else fsdp2
+                if id(var) not in fsdp2:
+                    return detect.describe_unknown_leaf(var)
         elif kind is PYTHON:
             tag = _python_tag(type(nodes[i]))
             if tag == "ddp_sink":
                 sinks.append(i)
+            elif tag == detect.FSDP2_POST_BACKWARD:
+                fsdp2_post_backward = True
             elif tag is not None:
                 return tag
+    if fsdp2_post_backward and (ext is None or not w.node_hooks):
+        # FSDP2's post-backward reads .grad: only a program that yields delivers it before then
+        return f"{detect.FSDP2} runs functionally only with the native extension, through its pre-backward hooks"
     if sinks:
         reason = _unfed_sink_slot(w, sinks, root_edges)
         if reason:

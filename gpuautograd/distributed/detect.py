@@ -28,24 +28,29 @@ def _dtensor_class():
     return DTensor
 
 
-def composable_wrappers() -> list[str]:
-    """The composable distributed APIs (FSDP2's `fully_shard`, `replicate`) that manage live
-    modules in this process. They run their gradient collectives from hooks and final callbacks
-    of the autograd engine, which a functional backward does not run."""
+FSDP2 = "FSDP2 (fully_shard)"
+FSDP2_POST_BACKWARD = "fsdp2_post_backward"
+
+
+def _composable_states() -> list:
     try:
         from torch.distributed import _composable_state
     except Exception:
         return []
+    return [s for s in (ref() for ref in list(_composable_state._module_state_mapping.values())) if s is not None]
+
+
+def composable_wrappers() -> list[str]:
+    """The composable distributed APIs other than FSDP2 (`replicate`, ...) that manage live modules
+    in this process. They run their gradient collectives from hooks and final callbacks of the
+    autograd engine that gpuautograd does not drive. (FSDP2's run at the program's yield points.)"""
     names = set()
-    for state_ref in list(_composable_state._module_state_mapping.values()):
-        state = state_ref()
-        if state is None:
-            continue
+    for state in _composable_states():
         cls = type(state)
         module = cls.__module__
         if cls.__name__ == "FSDPState":
-            names.add("FSDP2 (fully_shard)")
-        elif "fsdp" in module:
+            continue
+        if "fsdp" in module:
             names.add(f"FSDP ({cls.__name__})")
         elif "replicate" in module:
             names.add("replicate()")
@@ -73,9 +78,30 @@ def describe_unknown_leaf(var: torch.Tensor) -> str:
     )
 
 
+def fsdp2_leaves() -> set[int]:
+    """The ids of the unsharded parameters of every live FSDP2 module: the leaves its forward used.
+    FSDP2 reads their .grad in its post-backward (RegisterPostBackwardFunction) and reduce-scatters
+    it into the sharded DTensor parameter's .grad; no hook hangs on their AccumulateGrad nodes."""
+    ids = set()
+    for state in _composable_states():
+        if type(state).__name__ != "FSDPState":
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; 2.11 has one group
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                param = getattr(fsdp_param, "_unsharded_param", None)
+                if param is not None:
+                    ids.add(id(param))
+    return ids
+
+
 def python_node_tag(node_class) -> str | None:
-    """For a custom Function's backward node class: "ddp_sink" for DDP's _DDPSink, a reason for
-    an FSDP-internal Function, else None."""
+    """For a custom Function's backward node class: "ddp_sink" for DDP's _DDPSink,
+    FSDP2_POST_BACKWARD for FSDP2's post-backward, a reason for another FSDP-internal Function,
+    else None."""
     forward_cls = getattr(node_class, "_forward_cls", None)
     if forward_cls is None:
         return None
@@ -86,6 +112,8 @@ def python_node_tag(node_class) -> str | None:
     if _DDPSink is not None and forward_cls is _DDPSink:
         return "ddp_sink"
     module = getattr(forward_cls, "__module__", "") or ""
+    if module.startswith("torch.distributed.fsdp._fully_shard") and forward_cls.__name__ == "RegisterPostBackwardFunction":
+        return FSDP2_POST_BACKWARD
     if module.startswith("torch.distributed.fsdp"):
         return f"the graph contains FSDP's {forward_cls.__name__}, whose backward runs FSDP's gradient collectives"
     return None

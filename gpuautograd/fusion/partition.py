@@ -309,11 +309,18 @@ def _data_edges(analysis: Analysis, steps: list):
                 yield w, s
 
 
+def _effect_edges(libraries: list):
+    """Steps with effects (a custom backward, a node's hooks, a leaf delivery a hook reads) keep
+    their program order among themselves, which no data edge gives them: each follows the last."""
+    effects = sorted((s for s in libraries if get_op(s.instr.op).effect), key=lambda s: s.position)
+    return zip(effects, effects[1:])
+
+
 def _path_between(analysis, kernels, libraries, a: Kernel, b: Kernel) -> bool:
     """Is there a path a -> other steps -> b, or b -> other steps -> a?"""
     steps = [s for s in kernels if s is not a and s is not b] + libraries + [a, b]
     succ: dict[int, list] = {}
-    for w, s in _data_edges(analysis, steps):
+    for w, s in (*_data_edges(analysis, steps), *_effect_edges(libraries)):
         succ.setdefault(id(w), []).append(s)
 
     def reaches(src, dst) -> bool:
@@ -336,7 +343,7 @@ def _schedule(analysis: Analysis, kernels: list[Kernel], libraries: list[Library
     """Topological order of the steps, keeping program order where the data allows."""
     steps = kernels + libraries
     preds: dict[int, set[int]] = {id(s): set() for s in steps}
-    for w, s in _data_edges(analysis, steps):
+    for w, s in (*_data_edges(analysis, steps), *_effect_edges(libraries)):
         preds[id(s)].add(id(w))
     order = []
     done: set[int] = set()

@@ -65,7 +65,8 @@ py::list to_list(const variable_list& values) {
   return out;
 }
 
-// A hook that raised: its own Python exception reaches the caller, as in eager.
+// A hook that raised: its own Python exception reaches the caller, as in eager. (Called with the
+// GIL held: `body` releases it in an inner scope, which unwinding leaves before these handlers.)
 template <typename F>
 auto rethrowing(F&& body) -> decltype(body()) {
   try {
@@ -83,44 +84,53 @@ int64_t hook_bits_of(py::object node) {
   return hook_bits(*node_of(node));
 }
 
+// The hooks run without the GIL, as eager's engine runs them: a Python hook takes it itself, and a
+// C++ one (DDP's reducer) may wait on threads that need it (a communication future's callback).
 py::list call_tensor_pre_hooks(py::object node, py::list grads) {
   Node* n = node_of(node);
-  return rethrowing([&] {
-    variable_list values = to_variables(grads);
+  variable_list values = to_variables(grads);
+  rethrowing([&] {
+    py::gil_scoped_release no_gil;
     for (const auto& hook : n->tensor_pre_hooks()) {
       values = (*hook)(values);
     }
-    return to_list(values);
+    return 0;
   });
+  return to_list(values);
 }
 
 py::list call_pre_hooks(py::object node, py::list grads) {
   Node* n = node_of(node);
-  return rethrowing([&] {
-    variable_list values = to_variables(grads);
+  variable_list values = to_variables(grads);
+  rethrowing([&] {
+    py::gil_scoped_release no_gil;
     for (const auto& hook : n->pre_hooks()) {
       values = (*hook)(values);
     }
-    return to_list(values);
+    return 0;
   });
+  return to_list(values);
 }
 
 py::list call_post_hooks(py::object node, py::list outputs, py::list inputs) {
   Node* n = node_of(node);
-  return rethrowing([&] {
-    variable_list results = to_variables(outputs);
-    const variable_list given = to_variables(inputs);
+  variable_list results = to_variables(outputs);
+  const variable_list given = to_variables(inputs);
+  rethrowing([&] {
+    py::gil_scoped_release no_gil;
     for (const auto& hook : n->post_hooks()) {
       results = (*hook)(results, given);
     }
-    return to_list(results);
+    return 0;
   });
+  return to_list(results);
 }
 
 void call_post_accumulate_grad_hooks(py::object node) {
   auto* acc = dynamic_cast<AccumulateGrad*>(node_of(node));
   TORCH_CHECK(acc != nullptr, "call_post_accumulate_grad_hooks: not an AccumulateGrad node");
   rethrowing([&] {
+    py::gil_scoped_release no_gil;
     if (auto& hook = acc->tensor_post_acc_grad_hooks()) {
       (*hook)(acc->variable);
     }

@@ -299,25 +299,68 @@ def unused_output(rank, device):
     assert ours.module.side.weight.grad is None
 
 
-def fsdp2(rank, device):
-    """FSDP2 (fully_shard): detected, named, run eagerly; gradients equal an eager FSDP2 twin."""
+def _fsdp2_api():
     try:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import fully_shard
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
 
+
+# FSDP2 configurations: reshard_after_forward, a bf16 MixedPrecisionPolicy (fp32 reduce), and
+# gradient accumulation over micro-batches with set_requires_gradient_sync(False).
+FSDP2_CONFIGS = {
+    "fsdp2_reshard": dict(reshard=True),
+    "fsdp2_keep": dict(reshard=False),
+    "fsdp2_bf16": dict(reshard=True, bf16=True),
+    "fsdp2_accumulate": dict(reshard=True, micro_batches=2),
+}
+
+
+def fsdp2(rank, device, reshard=True, bf16=False, micro_batches=1):
+    """FSDP2 runs functionally: nested fully_shard (each layer, then the root), trained side by
+    side with an eager twin over AdamW steps; every rank's gradient shards and full parameters equal
+    eager's, no fallback, and the backward hits its plan from the second step on."""
+    fully_shard, MixedPrecisionPolicy = _fsdp2_api()
     torch.manual_seed(1234)
     base = Net().to(device=device, dtype=DTYPE)
-    eager, ours = copy.deepcopy(base), copy.deepcopy(base)
-    fully_shard(eager)
-    fully_shard(ours)
-    x = batch(rank, 0, device)
-    eager(x).pow(2).mean().backward()
-    messages = fallback_messages(lambda: gpuautograd.backward(ours(x).pow(2).mean()))
-    assert any("FSDP2 (fully_shard)" in m for m in messages), messages
-    for (name, pe), po in zip(eager.named_parameters(), ours.parameters()):
-        assert_close(po.grad.to_local(), pe.grad.to_local(), f"FSDP2 grad of {name}")
-    eager = ours = None  # drop the FSDP2 modules, so that their state leaves the process
+    kwargs = {"reshard_after_forward": reshard}
+    if bf16:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = []
+    for _ in range(2):
+        model = copy.deepcopy(base)
+        for layer in (model.inp, model.mid, model.side, model.out):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        models.append(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    rtol, atol = TOLERANCES[torch.bfloat16 if bf16 else DTYPE]
+
+    def close(actual, expected, what):
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"rank {dist.get_rank()}: {what}\n{m}")
+
+    what = f"FSDP2 reshard_after_forward={reshard} bf16={bf16} micro-batches={micro_batches}"
+    for step in range(3):
+        for opt in optimizers:
+            opt.zero_grad()
+        for micro in range(micro_batches):
+            last = micro == micro_batches - 1
+            if micro_batches > 1:
+                for model in models:
+                    model.set_requires_gradient_sync(last)
+            x = batch(rank, 10 * step + micro, device)
+            models[0](x).pow(2).mean().backward()
+            with gpuautograd.enable():
+                models[1](x).pow(2).mean().backward()
+        for (name, pe), po in zip(models[0].named_parameters(), models[1].parameters()):
+            close(po.grad.to_local(), pe.grad.to_local(), f"{what}, step {step}: grad of {name}")
+        for opt in optimizers:
+            opt.step()
+        for (name, pe), po in zip(models[0].named_parameters(), models[1].parameters()):
+            close(po.full_tensor(), pe.full_tensor(), f"{what}, step {step}: {name}")
+    assert_functional(what)
+    models = optimizers = None  # drop the FSDP2 modules, so that their state leaves the process
     gc.collect()
 
 
@@ -330,7 +373,7 @@ SCENARIOS = {
     "overlap": lambda rank, world, device: overlap(rank, device),
     "unknown_leaves": lambda rank, world, device: unknown_leaves(rank, device),
     "unused_output": lambda rank, world, device: unused_output(rank, device),
-    "fsdp2": lambda rank, world, device: fsdp2(rank, device),  # last: live FSDP2 modules rule out DDP
+    **{name: (lambda rank, world, device, c=config: fsdp2(rank, device, **c)) for name, config in FSDP2_CONFIGS.items()},
 }
 
 

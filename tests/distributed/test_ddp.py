@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 SUPPORTED = ["bucketed", "find_unused", "no_sync", "static_graph", "comm_hooks", "overlap"]
-UNSUPPORTED = ["unknown_leaves", "unused_output", "fsdp2"]
+FSDP2 = list(scenarios.FSDP2_CONFIGS)
+UNSUPPORTED = ["unknown_leaves", "unused_output"]
 
 
 def free_port() -> int:
@@ -36,6 +37,14 @@ def spawn(world: int, backend: str, names: list[str]) -> None:
 
 def test_ddp_two_ranks_gloo_supported_and_fallbacks():
     spawn(2, "gloo", SUPPORTED + UNSUPPORTED)
+
+
+def test_fsdp2_two_ranks_gloo():
+    spawn(2, "gloo", FSDP2)
+
+
+def test_fsdp2_three_ranks_gloo():
+    spawn(3, "gloo", FSDP2)
 
 
 def test_ddp_three_ranks_gloo():

@@ -17,11 +17,17 @@ reported are the medians of those times and each variant's over eager's.
                  .grad tensors through torch.distributed (no reducer, no comm hooks)
 
 Before timing, each rank checks that both gpuautograd variants give eager DDP's gradients.
+
+`--fsdp2` times FSDP2 instead: two copies of the model, each under `fully_shard` (each block of
+a ModuleList and every other child module with parameters, then the root; `--reshard` sets reshard_after_forward), one trained with
+`loss.backward()` and one inside `gpuautograd.enable()`, interleaved the same way, SGD steps.
+Before timing, the first step's gradient shards of the two are compared.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import statistics
@@ -30,6 +36,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from gpuautograd.tolerances import TOLERANCES
 
 from .models import SUITE
 
@@ -174,6 +182,86 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     dist.destroy_process_group()
 
 
+def _fsdp2_worker(rank: int, world: int, port: int, args) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    from torch.distributed.fsdp import fully_shard
+
+    import gpuautograd
+
+    size = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers)) if v is not None}
+    models, opts = {}, {}
+    for variant in ("eager", "gpuautograd"):
+        torch.manual_seed(0)
+        model, make_batch, loss_fn = SUITE[args.model](device=device, **size)
+        for child in model.children():  # each block of a ModuleList, every other child with parameters
+            units = list(child.children()) if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)) else [child]
+            for unit in units:
+                if any(True for _ in unit.parameters()):
+                    fully_shard(unit, reshard_after_forward=args.reshard)
+        fully_shard(model, reshard_after_forward=args.reshard)
+        models[variant], opts[variant] = model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    batch = make_batch(torch.Generator().manual_seed(rank))
+
+    def backward(variant, loss):
+        if variant == "eager":
+            loss.backward()
+        else:
+            with gpuautograd.enable():
+                loss.backward()
+
+    grads = {}
+    for variant, model in models.items():
+        model.zero_grad(set_to_none=True)
+        backward(variant, loss_fn(model, *batch))
+        grads[variant] = [p.grad.to_local().clone() for p in model.parameters()]
+    rtol, atol = TOLERANCES[next(models["eager"].parameters()).dtype]
+    for k, (a, e) in enumerate(zip(grads["gpuautograd"], grads["eager"])):
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m, k=k: f"FSDP2 gradient shard {k}\n{m}")
+    gpuautograd.reset()
+    step = {v: [] for v in models}
+    bwd = {v: [] for v in models}
+    for it in range(args.iters + 2):  # two warm-up iterations: captures, allocator
+        for variant, model in models.items():
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            loss = loss_fn(model, *batch)
+            _sync(device)
+            t1 = time.perf_counter()
+            backward(variant, loss)
+            _sync(device)
+            t2 = time.perf_counter()
+            opts[variant].step()
+            _sync(device)
+            if it >= 2:
+                step[variant].append(time.perf_counter() - t0)
+                bwd[variant].append(t2 - t1)
+    stats = gpuautograd.stats()
+    assert not stats["fallbacks"], f"gpuautograd fell back to eager: {stats['fallbacks']}"
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (step, bwd))
+    if rank == 0:
+        med = {v: tuple(statistics.median(max(g[j][v][i] for g in gathered) for i in range(args.iters)) for j in (0, 1)) for v in models}
+        n_params = sum(p.numel() for p in models["eager"].parameters())
+        print(f"FSDP2 step time: model {args.model} ({n_params:,} parameters), {world} ranks, reshard_after_forward={args.reshard}")
+        print(f"median over {args.iters} interleaved iterations of the slowest rank's time; plan hits: {stats['cache_hits']}")
+        print(f"{'variant':>14} {'step ms':>9} {'bwd ms':>9} {'step vs eager':>14} {'bwd vs eager':>13}")
+        for v, (st, b) in med.items():
+            print(f"{v:>14} {st * 1e3:>9.2f} {b * 1e3:>9.2f} {st / med['eager'][0]:>13.2f}x {b / med['eager'][1]:>12.2f}x")
+        print("(ratios are measured side by side in one run; absolute times depend on the machine)")
+    models = opts = None  # FSDP2's state goes before its process group does
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -189,8 +277,11 @@ def main(argv=None) -> None:
     p.add_argument("--d-model", type=int, default=None, help="width of the gpt / llama models (default: the suite's)")
     p.add_argument("--layers", type=int, default=None, help="blocks of the gpt model (default: the suite's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--fsdp2", action="store_true", help="time FSDP2 (fully_shard) instead of DDP")
+    p.add_argument("--reshard", action="store_true", help="with --fsdp2: reshard_after_forward=True")
     args = p.parse_args(argv)
-    mp.spawn(_worker, args=(args.world, _free_port(), args), nprocs=args.world, join=True)
+    worker = _fsdp2_worker if args.fsdp2 else _worker
+    mp.spawn(worker, args=(args.world, _free_port(), args), nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

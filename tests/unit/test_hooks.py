@@ -350,3 +350,37 @@ def test_a_hook_outlives_its_tensor(extension, monkeypatch):
     assert calls == [1]
     torch.testing.assert_close(lin.weight.grad, expected)
     assert bool(gpuautograd.stats()["fallbacks"]) != extension
+
+
+def test_a_hook_that_runs_a_backward_of_its_own(hook_walker):
+    """A hook may call torch.autograd.grad on another graph (a gradient penalty): the inner backward
+    runs (through gpuautograd too) inside the outer one's graph task, as eager nests them."""
+
+    def run(routed):
+        torch.manual_seed(0)
+        x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+        side = torch.randn(4, dtype=torch.float64, requires_grad=True)
+        seen = []
+
+        def hook(g):
+            with torch.enable_grad():  # eager runs hooks with grad mode off, as create_graph=False
+                (gs,) = torch.autograd.grad((side * g).sin().sum(), side)
+            seen.append(gs)
+            return g * 2
+
+        for _ in range(2):
+            h = x.exp()
+            h.register_hook(hook)
+            if routed:
+                with gpuautograd.enable():
+                    h.sin().sum().backward()
+            else:
+                h.sin().sum().backward()
+        return x.grad, seen
+
+    (eager, eager_seen), (ours, our_seen) = run(False), run(True)
+    torch.testing.assert_close(ours, eager)
+    for a, b in zip(eager_seen, our_seen, strict=True):
+        torch.testing.assert_close(b, a)
+    st = gpuautograd.stats()
+    assert not st["fallbacks"] and st["captures"] == 2 and st["cache_hits"] == 2, st

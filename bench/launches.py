@@ -4,7 +4,9 @@ For each model of the suite, launches counted one way (bench/counting.py: kernel
 views, detach and bare allocations excluded): eager `loss.backward()`'s (aten ops seen by a
 TorchDispatchMode that launch a kernel), the fused plan's (generated kernels plus library calls,
 from `explain().launches`), and the bytes each moves (eager: inputs plus outputs of every
-launching op; fused: the plan's kernels and library calls).
+launching op; fused: the plan's kernels and library calls), beside the floor any backward must
+move (`explain().compulsory_bytes`: saved tensors and incoming gradients read once, gradients
+returned once) and the plan's bytes over it.
 For "cudagraph": the launches inside its graphs (the plan plus the table copies of library inputs
 and outputs) and what the host issues per replay (graph launches, table uploads, eager steps).
 
@@ -55,6 +57,7 @@ def measure(name: str, dtype: torch.dtype) -> dict:
         "kernels": len(e.kernels),
         "eager_bytes": counter.launching_bytes,
         "planned_bytes": e.bytes_moved,
+        "compulsory_bytes": e.compulsory_bytes,
         "memory": e.memory,
         "arena_bytes": e.arena_bytes,
         "intermediate_bytes": e.intermediate_bytes,
@@ -67,7 +70,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     header = f"{'model':<16}{'nodes':>6}{'eager':>7}{'fused':>7}{'kernels':>8}{'eager/fused':>12}"
-    header += f"{'eager MB':>9}{'plan MB':>9}{'bytes':>7}{'in graph':>9}{'host/replay':>12}"
+    header += f"{'eager MB':>9}{'plan MB':>9}{'bytes':>7}{'floor MB':>9}{'plan/floor':>11}{'in graph':>9}{'host/replay':>12}"
     print(f"launches per backward, {args.dtype} (kernels that do work; views, detach and allocations excluded)")
     print(header)
     for name in SUITE:
@@ -75,7 +78,8 @@ def main(argv=None) -> None:
         print(
             f"{r['model']:<16}{r['nodes']:>6}{r['eager_launches']:>7}{r['launches']:>7}{r['kernels']:>8}"
             f"{r['eager_launches'] / r['launches']:>11.1f}x{r['eager_bytes'] / 1e6:>9.2f}{r['planned_bytes'] / 1e6:>9.2f}"
-            f"{r['planned_bytes'] / r['eager_bytes']:>6.2f}x{r['in_graph']:>9}{r['host_calls']:>12}"
+            f"{r['planned_bytes'] / r['eager_bytes']:>6.2f}x{r['compulsory_bytes'] / 1e6:>9.2f}"
+            f"{r['planned_bytes'] / r['compulsory_bytes']:>10.2f}x{r['in_graph']:>9}{r['host_calls']:>12}"
         )
         print(f"{'':<16}memory: {r['memory']}")
 

@@ -28,6 +28,7 @@ from .runtime import engine
 from .runtime import resident as _resident
 from .runtime import stats as _stats
 from .runtime.engine import Fallback, warn_fallback
+from .runtime.floor import compulsory_bytes
 from .runtime.fused import FusedProgram
 
 # The eager entry points, captured before enable() can replace them.
@@ -341,6 +342,9 @@ class Explanation:
     # that hold nothing between calls (reference, fused without replay) and for eager fallbacks.
     resident_bytes: int = 0
     resident: dict = field(default_factory=dict)
+    # The floor (runtime/floor.py): saved tensors and incoming gradients read once, gradients
+    # returned once; what any backward must move, whatever its plan (0 for an eager fallback).
+    compulsory_bytes: int = 0
 
     @property
     def plan(self) -> str:
@@ -396,6 +400,8 @@ def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = No
     if entry is None or entry.program is None:
         return Explanation(len(w.nodes), names, [], None, "", reason or entry.fallback_reason, key[0])
     opaque = [w.classes[i].name for i in entry.opaque_nodes]
+    bound = [w.saved[i] if kind == "saved" else grads[i] if kind == "grad" else None for kind, i in entry.arg_plan]
+    floor = compulsory_bytes(entry.program, bound)
     compiled = entry.compiled
     if isinstance(compiled, FusedProgram):
         cached = _cached_plan(tensors, grads, inputs, accumulate, key[0])
@@ -417,9 +423,10 @@ def explain(tensors, grad_tensors=None, inputs=None, *, backend: str | None = No
             intermediate_bytes=compiled.memory.total_bytes,
             resident_bytes=sum(held.values()),
             resident=dict(held),
+            compulsory_bytes=floor,
         )
     launches = sum(1 for i in entry.program.instrs if not get_op(i.op).view)
-    return Explanation(len(w.nodes), names, opaque, entry.program, compiled.source, None, key[0], launches=launches)
+    return Explanation(len(w.nodes), names, opaque, entry.program, compiled.source, None, key[0], launches=launches, compulsory_bytes=floor)
 
 
 def _cached_plan(tensors, grads, inputs, accumulate: bool, backend: str):

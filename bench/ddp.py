@@ -159,27 +159,34 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             t3 = time.perf_counter()
             step[variant].append(t3 - t0)
             bwd[variant].append(t2 - t1)
+    n_params = sum(p.numel() for p in model.parameters())
+    title = (
+        f"DDP step time: model {args.model} ({n_params:,} parameters, {str(next(model.parameters()).dtype)[6:]}), "
+        f"{world} ranks, {backend} on {device.type}, {args.threads} thread(s) per rank"
+    )
+    _report(rank, world, step, bwd, args.iters, title)
+    dist.destroy_process_group()
+
+
+def _report(rank: int, world: int, step: dict, bwd: dict, iters: int, title: str, note: str = "") -> None:
+    """Gather every rank's times (after checking this rank never fell back) and print, on rank 0,
+    the median over iterations of the slowest rank's time, per variant and over eager's."""
+    import gpuautograd
+
     stats = gpuautograd.stats()
     assert not stats["fallbacks"], f"gpuautograd fell back to eager: {stats['fallbacks']}"
     gathered = [None] * world
     dist.all_gather_object(gathered, (step, bwd))
-    if rank == 0:
-        # The job's step time is its slowest rank's: per iteration, the maximum over ranks.
-        job = {v: [max(g[0][v][i] for g in gathered) for i in range(args.iters)] for v in VARIANTS}
-        job_bwd = {v: [max(g[1][v][i] for g in gathered) for i in range(args.iters)] for v in VARIANTS}
-        med = {v: (statistics.median(job[v]), statistics.median(job_bwd[v])) for v in VARIANTS}
-        n_params = sum(p.numel() for p in model.parameters())
-        print(
-            f"DDP step time: model {args.model} ({n_params:,} parameters, {str(next(model.parameters()).dtype)[6:]}), "
-            f"{world} ranks, {backend} on {device.type}, {args.threads} thread(s) per rank"
-        )
-        print(f"median over {args.iters} interleaved iterations of the slowest rank's time")
-        print(f"{'variant':>14} {'step ms':>9} {'bwd ms':>9} {'step vs eager':>14} {'bwd vs eager':>13}")
-        for v in VARIANTS:
-            st, b = med[v]
-            print(f"{v:>14} {st * 1e3:>9.2f} {b * 1e3:>9.2f} {st / med['eager'][0]:>13.2f}x {b / med['eager'][1]:>12.2f}x")
-        print("(ratios are measured side by side in one run; absolute times depend on the machine)")
-    dist.destroy_process_group()
+    if rank != 0:
+        return
+    # The job's step time is its slowest rank's: per iteration, the maximum over ranks.
+    med = {v: tuple(statistics.median(max(g[j][v][i] for g in gathered) for i in range(iters)) for j in (0, 1)) for v in step}
+    print(title)
+    print(f"median over {iters} interleaved iterations of the slowest rank's time{note}")
+    print(f"{'variant':>14} {'step ms':>9} {'bwd ms':>9} {'step vs eager':>14} {'bwd vs eager':>13}")
+    for v, (st, b) in med.items():
+        print(f"{v:>14} {st * 1e3:>9.2f} {b * 1e3:>9.2f} {st / med['eager'][0]:>13.2f}x {b / med['eager'][1]:>12.2f}x")
+    print("(ratios are measured side by side in one run; absolute times depend on the machine)")
 
 
 def _fsdp2_worker(rank: int, world: int, port: int, args) -> None:
@@ -243,19 +250,9 @@ def _fsdp2_worker(rank: int, world: int, port: int, args) -> None:
             if it >= 2:
                 step[variant].append(time.perf_counter() - t0)
                 bwd[variant].append(t2 - t1)
-    stats = gpuautograd.stats()
-    assert not stats["fallbacks"], f"gpuautograd fell back to eager: {stats['fallbacks']}"
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (step, bwd))
-    if rank == 0:
-        med = {v: tuple(statistics.median(max(g[j][v][i] for g in gathered) for i in range(args.iters)) for j in (0, 1)) for v in models}
-        n_params = sum(p.numel() for p in models["eager"].parameters())
-        print(f"FSDP2 step time: model {args.model} ({n_params:,} parameters), {world} ranks, reshard_after_forward={args.reshard}")
-        print(f"median over {args.iters} interleaved iterations of the slowest rank's time; plan hits: {stats['cache_hits']}")
-        print(f"{'variant':>14} {'step ms':>9} {'bwd ms':>9} {'step vs eager':>14} {'bwd vs eager':>13}")
-        for v, (st, b) in med.items():
-            print(f"{v:>14} {st * 1e3:>9.2f} {b * 1e3:>9.2f} {st / med['eager'][0]:>13.2f}x {b / med['eager'][1]:>12.2f}x")
-        print("(ratios are measured side by side in one run; absolute times depend on the machine)")
+    n_params = sum(p.numel() for p in models["eager"].parameters())
+    title = f"FSDP2 step time: model {args.model} ({n_params:,} parameters), {world} ranks, reshard_after_forward={args.reshard}"
+    _report(rank, world, step, bwd, args.iters, title, f"; plan hits: {gpuautograd.stats()['cache_hits']}")
     models = opts = None  # FSDP2's state goes before its process group does
     gc.collect()
     dist.barrier()

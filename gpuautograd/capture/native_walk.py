@@ -1,6 +1,6 @@
 """The hit path's walk through the native walker, and what ties its results to the Python walk's.
 
-The native walk (gpuautograd/native/walker.cpp) visits nodes in the Python walk's discovery
+The native walk (gpuautograd/native/walk.cpp) visits nodes in the Python walk's discovery
 order, so node indices agree; its saved tensors come in compiled_args order (each distinct
 tensor once), so a capture maps each of the Python walk's saved slots to the native index of the
 same SavedVariable (`saved_permutation`) and the plan reads its arguments through that map.
@@ -116,7 +116,7 @@ def key_of(w: NativeWalk) -> tuple:
     """The cache key after the backend and accumulate: the native key bytes (the incoming
     gradients, then the graph), then what Python adds to them: the retained grads' (node, output)
     edges and leaf_grad_dtypes(). The short path's lookup (engine.native_lookup, through
-    NativeWalk.match in walker.cpp) reads this layout."""
+    NativeWalk.match in walk.cpp) reads this layout."""
     return ("native", w.native.key, tuple((j, nr) for j, nr, _ in w.retained), w.grad_dtypes)
 
 
@@ -157,7 +157,7 @@ def saved_permutation(w: NativeWalk, pw: Walk) -> list[int]:
     return perm
 
 
-_ARGUMENT_KINDS = {"saved": 0, "grad": 1, "node": 2}  # walker.cpp's ArgumentPlan::Kind
+_ARGUMENT_KINDS = {"saved": 0, "grad": 1, "node": 2}  # table.h's ArgumentPlan::Kind
 
 
 def argument_plan(arg_plan: list[tuple[str, int]], functional_nodes: list[int]):

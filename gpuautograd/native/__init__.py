@@ -1,4 +1,5 @@
-"""The native walker: `walker.cpp`, built on first use against the installed torch.
+"""The native walker: the C++ sources below (walk.cpp's opening comment maps them), built on first
+use against the installed torch.
 
 The build goes into a per-user cache keyed by torch's version and the source's hash, so a new
 torch or a changed source builds afresh and an unchanged one loads in milliseconds. Two
@@ -28,10 +29,13 @@ from ..degrade import describe_error, report
 from . import readers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.path.join(HERE, "walker.cpp")
-SOURCES = [SOURCE, os.path.join(HERE, "node_hooks.cpp")]
-HEADERS = [os.path.join(HERE, "node_hooks.h")]
-BUILDING = "building gpuautograd's native walker, about a minute, once"
+# One extension from all of them; a changed header changes the build's tag as a changed source does.
+SOURCES = [
+    os.path.join(HERE, name)
+    for name in ("walk.cpp", "key.cpp", "saved_reader.cpp", "table.cpp", "delivery.cpp", "node_hooks.cpp", "bindings.cpp")
+]
+HEADERS = [os.path.join(HERE, name) for name in ("walk.h", "key.h", "saved_reader.h", "table.h", "delivery.h", "node_hooks.h")]
+BUILDING = "building gpuautograd's native walker, a minute or two, once"
 LOST = (
     "the hit path is slower (5-10 µs per autograd node), and a backward with hooks runs eagerly (only the extension calls a node's hooks)"
 )
@@ -47,7 +51,7 @@ state = State()  # read by api.backward on every loss.backward() (state.module)
 
 
 def _tag() -> str:
-    """The build's name: torch's version, then a hash of what goes into it (the source, the
+    """The build's name: torch's version, then a hash of what goes into it (the sources, the
     readers' generator and the installed torch's Functions.h they are generated from)."""
     digest = hashlib.sha256()
     for path in (*SOURCES, *HEADERS, readers.__file__, readers.header_path()):
@@ -94,7 +98,7 @@ def _build(tag: str, final: str):
     print(f"[gpuautograd] {BUILDING}", file=sys.stderr, flush=True)
     scratch = tempfile.mkdtemp(prefix=f".{tag}-", dir=os.path.dirname(final))
     try:
-        readers.write(scratch)  # saved_readers.inc, which walker.cpp includes
+        readers.write(scratch)  # saved_readers.inc, which saved_reader.cpp includes
         module = cpp_extension.load(
             name=f"gpuautograd_native_{tag}",
             sources=SOURCES,

@@ -81,7 +81,8 @@ auto rethrowing(F&& body) -> decltype(body()) {
 }
 
 int64_t hook_bits_of(py::object node) {
-  return hook_bits(*node_of(node));
+  Node* n = node_of(node);
+  return hook_bits(*n, dynamic_cast<AccumulateGrad*>(n));
 }
 
 // The hooks run without the GIL, as eager's engine runs them: a Python hook takes it itself, and a
@@ -139,24 +140,6 @@ void call_post_accumulate_grad_hooks(py::object node) {
 }
 
 }  // namespace
-
-int64_t hook_bits(const Node& node) {
-  auto& n = const_cast<Node&>(node);  // the hook lists have no const accessors
-  int64_t bits = 0;
-  if (!n.tensor_pre_hooks().empty()) {
-    bits |= kTensorPreHooks;
-  }
-  if (!n.pre_hooks().empty()) {
-    bits |= kPreHooks;
-  }
-  if (!n.post_hooks().empty()) {
-    bits |= kPostHooks;
-  }
-  if (auto* acc = dynamic_cast<AccumulateGrad*>(&n); acc != nullptr && acc->tensor_post_acc_grad_hooks() != nullptr) {
-    bits |= kPostAccGradHooks;
-  }
-  return bits;
-}
 
 void register_node_hooks(py::module& m) {
   m.def("hook_bits", &hook_bits_of, "The node's hooks as bits: 1 tensor pre-hooks, 2 pre-hooks, 4 post-hooks, 8 post-accumulate-grad hooks.");

@@ -3,6 +3,9 @@
 
 #include <torch/extension.h>
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
 namespace gpuautograd {
 
 // The hooks of a node, as bits (the walks key them; lowering emits a yield point per bit).
@@ -13,7 +16,24 @@ enum HookBits : int64_t {
   kPostAccGradHooks = 8, // register_post_accumulate_grad_hook (AccumulateGrad only)
 };
 
-int64_t hook_bits(const torch::autograd::Node& node);
+// `acc`: the node as an AccumulateGrad, or nullptr (the walk knows it without a dynamic_cast).
+// The emptiness checks only: no node has hooks on the common hit.
+inline int64_t hook_bits(torch::autograd::Node& node, torch::autograd::AccumulateGrad* acc) {
+  int64_t bits = 0;
+  if (!node.tensor_pre_hooks().empty()) {
+    bits |= kTensorPreHooks;
+  }
+  if (!node.pre_hooks().empty()) {
+    bits |= kPreHooks;
+  }
+  if (!node.post_hooks().empty()) {
+    bits |= kPostHooks;
+  }
+  if (acc != nullptr && acc->tensor_post_acc_grad_hooks() != nullptr) {
+    bits |= kPostAccGradHooks;
+  }
+  return bits;
+}
 
 void register_node_hooks(pybind11::module& m);
 

@@ -1,6 +1,6 @@
 """Two processes that build the native walker at once share one good build.
 
-The build is about a minute of compiling, so this is the suite's one test that runs it from an
+The build is a minute or two of compiling, so this is the suite's one test that runs it from an
 empty cache; it runs where a C++ compiler and ninja are found, and is skipped elsewhere."""
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ A kernel computes its member values over one iteration space:
   (`cindex`). When a whole row fits in one block the kernel is row-persistent: the sums stay in
   registers and the pointwise consumers that broadcast them back (softmax, layer norm backward)
   run in the same kernel. Otherwise the columns are walked in a loop that accumulates.
+- matmul: a 2-D tile (`rindex`, `cindex`) of the M x N result of one `mm`, accumulated over K in
+  a loop; its pointwise consumers run on the tile before it is stored (an epilogue), so the
+  product never makes a round trip through memory. Operands are read through their layout ops,
+  and an operand that is a pointwise function of stored values is computed as it is loaded.
 
 Values are generated on demand by index: a member, or anything it reads through pointwise and
 layout ops, is computed at the index where it is needed; realized values of other steps are
@@ -37,6 +41,7 @@ class NotFusible(Exception):
 class Space:
     shape: tuple[int, ...]
     reduced: tuple[int, ...] = ()  # reduced dims; () for a pointwise space
+    contract: int = 0  # K of a matmul space (shape is its M x N result); 0 for the others
 
     @property
     def kept(self) -> tuple[int, ...]:
@@ -66,6 +71,8 @@ class Space:
 
     def __str__(self) -> str:
         dims = "x".join(map(str, self.shape))
+        if self.contract:
+            return f"matmul[{dims}, K={self.contract}]"
         return f"pointwise[{dims}]" if not self.reduced else f"reduce[{dims} over dims {list(self.reduced)}]"
 
 
@@ -122,7 +129,15 @@ def through_table(ks: KernelSource, loads: set[int], stores: set[int], aligned: 
 
 class Emitter:
     def __init__(
-        self, analysis, space: Space, members: list[Value], stores: set[str] | None, name: str, interpret: bool, looped: bool = False
+        self,
+        analysis,
+        space: Space,
+        members: list[Value],
+        stores: set[str] | None,
+        name: str,
+        interpret: bool,
+        looped: bool = False,
+        matmul=None,
     ):
         self.a = analysis
         self.space = space
@@ -140,6 +155,8 @@ class Emitter:
         self.in_loop = False
         self.looped = looped  # reductions walk the columns in a loop instead of holding whole rows
         self.sum_values: dict[str, str] = {}
+        self.matmul = matmul  # the mm instruction of a matmul space
+        self.blocks = H.matmul_blocks(space.shape[0], space.shape[1], space.contract, interpret) if matmul is not None else None
         self.int64 = self._needs_int64()
 
     # -- small helpers -----------------------------------------------------------------------
@@ -160,13 +177,16 @@ class Emitter:
         return False
 
     def mask_for(self, vars_: frozenset) -> str | None:
-        parts = [m for v, m in (("xindex", "xmask"), ("rindex", "rmask"), ("cindex", "cmask")) if v in vars_]
+        masks = (("xindex", "xmask"), ("rindex", "rmask"), ("cindex", "cmask"), ("krow", "krmask"), ("kcol", "kcmask"))
+        parts = [m for v, m in masks if v in vars_]
         return " & ".join(parts) if parts else None
 
     # -- canonical indices ---------------------------------------------------------------------
 
     def space_index(self) -> list[ix.Ix]:
         sp = self.space
+        if sp.contract:
+            return [ix.var("rindex", sp.shape[0]), ix.var("cindex", sp.shape[1])]
         if not sp.reduced:
             return ix.unravel(ix.var("xindex", sp.numel), sp.shape)
         rows = ix.unravel(ix.var("rindex", sp.rows), [sp.shape[d] for d in sp.kept])
@@ -224,6 +244,12 @@ class Emitter:
     def _value(self, v: Value, index, linear_code: str) -> str:
         instr = self.a.producer.get(v.name)
         computed_here = v.name in self.members
+        if self.matmul is not None and instr is self.matmul:
+            canon = self.canonical(v)
+            if canon is None or ix.ravel(canon, v.shape).code != linear_code:
+                raise NotFusible(f"{v.name} = mm is read at another index than its tile")
+            self.instrs.add(self.a.position[id(instr)])
+            return self.matmul_tile(instr, v)
         if instr is None or not self.a.fusible(instr) or (v.name in self.a.realized and not computed_here):
             return self.load(v, index)
         if computed_here:
@@ -340,6 +366,39 @@ class Emitter:
         out = self.tmp(f"tl.reduce(tl.where(rmask & cmask, {body}, 0).to({acc}), 1, tl.standard._sum_combine, keep_dims=True)")
         self.sum_values[v.name] = out
         return out
+
+    def matmul_tile(self, instr, v: Value) -> str:
+        """The K loop of the space's mm: each operand tile is read through its layout ops (or
+        computed from what it reads: a prologue), masked to zero past the edges, and multiplied in
+        the operands' dtype with an fp32 accumulator. fp32 multiplies exactly, as torch.mm does."""
+        a, b = instr.inputs
+        ty = TL_DTYPES[v.dtype]
+        # Triton's interpreter multiplies half-type tiles wrongly; their values widened to fp32
+        # multiply exactly and accumulate in fp32, as the GPU's half-type dot does.
+        widen = self.interpret and compute_dtype(v.dtype) != v.dtype
+        operand_ty = "tl.float32" if widen else ty
+        precision = ', input_precision="ieee"' if v.dtype == torch.float32 or widen else ""
+        self.lines.append("acc = tl.full([RBLOCK, CBLOCK], 0, tl.float32)")  # tl.zeros is a jit function the interpreter cannot call here
+        self.lines.append(f"for k0 in range(0, {self.space.contract}, KBLOCK):")
+        outer_lines, outer_memo = self.lines, self.memo
+        self.lines, self.memo, self.in_loop = [], {}, True
+        self.lines.append("kcol = k0 + tl.arange(0, KBLOCK)[None, :]")
+        self.lines.append(f"kcmask = kcol < {self.space.contract}")
+        self.lines.append("krow = k0 + tl.arange(0, KBLOCK)[:, None]")
+        self.lines.append(f"krmask = krow < {self.space.contract}")
+        k = self.space.contract
+        lhs = self.value(a, [ix.var("rindex", a.shape[0]), ix.var("kcol", k)])
+        rhs = self.value(b, [ix.var("krow", k), ix.var("cindex", b.shape[1])])
+        lhs = self.tmp(f"tl.where(rmask & kcmask, {lhs}, 0).to({operand_ty})")
+        rhs = self.tmp(f"tl.where(krmask & cmask, {rhs}, 0).to({operand_ty})")
+        self.lines.append(f"acc += tl.dot({lhs}, {rhs}{precision}, out_dtype=tl.float32)")
+        inner = self.lines
+        self.lines, self.memo, self.in_loop = outer_lines, outer_memo, False
+        self.lines.extend("    " + line for line in inner)
+        # consumers read the product as torch stores it: rounded to a half type first
+        if compute_dtype(v.dtype) != v.dtype:
+            return self.tmp(f"acc.to({ty}).to(tl.float32)")
+        return self.tmp(f"acc.to({TL_DTYPES[compute_dtype(v.dtype)]})")
 
     def cast_to(self, expr: str, x: Value, v: Value) -> str:
         if compute_dtype(x.dtype) == compute_dtype(v.dtype):
@@ -499,6 +558,18 @@ class Emitter:
     def _prologue(self, index_ty):
         sp = self.space
         pid = "tl.program_id(0)" if index_ty is None else f"tl.program_id(0).to({index_ty})"
+        if sp.contract:
+            bm, bn, bk = self.blocks
+            grid_n = -(-sp.shape[1] // bn)
+            head = [
+                f"pid = {pid}",
+                f"rindex = (pid // {grid_n}) * RBLOCK + tl.arange(0, RBLOCK)[:, None]",
+                f"rmask = rindex < {sp.shape[0]}",
+                f"cindex = (pid % {grid_n}) * CBLOCK + tl.arange(0, CBLOCK)[None, :]",
+                f"cmask = cindex < {sp.shape[1]}",
+            ]
+            grid = (-(-sp.shape[0] // bm) * grid_n,)
+            return head, {"RBLOCK": bm, "CBLOCK": bn, "KBLOCK": bk}, grid, H.MATMUL_NUM_WARPS
         if not sp.reduced:
             block = H.next_pow2(sp.numel)
             block = min(block, H.INTERPRET_POINTWISE_BLOCK if self.interpret else H.GPU_POINTWISE_BLOCK)

@@ -48,3 +48,45 @@ def num_warps(tile_elements: int) -> int:
 # Bytes of alignment a pointer read from the pointer table is promised to have (checked on every
 # call), so its loads vectorize as those of an argument Triton specialized as 16-byte aligned.
 POINTER_ALIGNMENT = 16
+
+
+# -- matmuls with fused epilogues --------------------------------------------------------------
+# A matmul whose result only feeds pointwise work runs as one generated kernel: the work is done
+# on the output tile before the store. Tiles are first choices for sm_90, not tuned on a GPU yet;
+# 64 x 64 leaves registers for the epilogue's loads.
+# "cost": fuse where the cost model below estimates it faster; "always": wherever it moves fewer
+# bytes; "never": every matmul stays a library call (the plan of earlier versions).
+MATMUL_EPILOGUES = "cost"
+GPU_MATMUL_BLOCKS = (64, 64, 32)
+MATMUL_NUM_WARPS = 4
+INTERPRET_MATMUL_BLOCK = 128  # the interpreter multiplies each tile with numpy: large tiles are cheap
+MIN_MATMUL_BLOCK = 16  # tl.dot's smallest tile
+
+# The cost model that chooses, per matmul, between the fused kernel and a library call plus the
+# generated kernel that reads its result back. Figures of the H200 (the GPU the project targets);
+# a generated matmul is assumed to reach TRITON_MATMUL_EFFICIENCY of the library's throughput
+# until a GPU run measures it (bench/extern_binding.py).
+H200_BANDWIDTH = 4.8e12  # bytes per second
+H200_FLOPS = {"float32": 60e12, "tf32": 400e12, "bfloat16": 800e12, "float16": 800e12}
+LAUNCH_SECONDS = 2e-6  # a kernel launch inside a CUDA graph, roughly
+TRITON_MATMUL_EFFICIENCY = 0.8
+
+
+def matmul_blocks(m: int, n: int, k: int, interpret: bool) -> tuple[int, int, int]:
+    if interpret:
+        cap = INTERPRET_MATMUL_BLOCK
+        return tuple(max(MIN_MATMUL_BLOCK, min(next_pow2(x), cap)) for x in (m, n, k))
+    return tuple(max(MIN_MATMUL_BLOCK, min(next_pow2(x), b)) for x, b in zip((m, n, k), GPU_MATMUL_BLOCKS))
+
+
+def epilogue_pays(flops: float, dtype_name: str, before: tuple[int, int, int], after: tuple[int, int, int]) -> bool:
+    """Is the fused plan estimated faster? `before` is (library call's bytes, the kernels' bytes,
+    launches) of the matmul and what reads its result; `after` the same for the fused kernel (its
+    bytes first) and what stays apart. A matmul takes the longer of its traffic and its arithmetic."""
+    peak = H200_FLOPS.get(dtype_name, H200_FLOPS["float32"])
+    lib_bytes, kernel_bytes, launches = before
+    fused_bytes, rest_bytes, launches_after = after
+    unfused = max(flops / peak, lib_bytes / H200_BANDWIDTH) + kernel_bytes / H200_BANDWIDTH + launches * LAUNCH_SECONDS
+    fused = max(flops / (peak * TRITON_MATMUL_EFFICIENCY), fused_bytes / H200_BANDWIDTH)
+    fused += rest_bytes / H200_BANDWIDTH + launches_after * LAUNCH_SECONDS
+    return fused < unfused

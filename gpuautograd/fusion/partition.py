@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ..codegen.kernel import Emitter, KernelSource, NotFusible, Space, one_hot_scatter
 from ..codegen.lowering import LIBRARY_POINTWISE, LOWERINGS
 from ..fusion import heuristics as H
@@ -80,6 +82,9 @@ class Analysis:
         self.input_strides = input_strides
         self.realized: set[str] = set()
 
+    def is_output(self, v: Value) -> bool:
+        return any(o is not None and self.base(o).name == v.name for o, _ in self.program.outputs)
+
     def fusible(self, instr: Instr) -> bool:
         return self.reasons[self.position[id(instr)]] is None
 
@@ -116,6 +121,7 @@ class Kernel:
     members: list[Value]
     first: int  # program position of its first member, for the schedule's order
     source: KernelSource | None = None
+    matmul: Instr | None = None  # the mm of a matmul space, whose result is members[0]
 
 
 @dataclass
@@ -223,6 +229,7 @@ def plan_fusion(program: Program, input_strides: dict[str, tuple[int, ...]], int
         if len(merged) == before:
             break
 
+    _fuse_epilogues(analysis, merged, libraries, decisions, interpret)
     steps = _schedule(analysis, merged, libraries)
     _finalize(analysis, steps, interpret)
     return FusionPlan(program, analysis, steps, decisions)
@@ -251,6 +258,81 @@ def _merge_into_earlier(analysis, merged: list[Kernel], libraries, kernel: Kerne
     return False
 
 
+EPILOGUE_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+
+
+def _fuse_epilogues(analysis, merged: list[Kernel], libraries: list[Library], decisions, interpret: bool) -> None:
+    """A matmul whose result one kernel reads runs as a generated kernel that applies that kernel's
+    pointwise work to each output tile before it stores it. The kernel's sums, if it has any,
+    stay in a kernel of their own that reads the epilogue's results. Taken where the cost model
+    (`fusion/heuristics.py`) estimates the fused kernel faster on the GPU the project targets."""
+    if H.MATMUL_EPILOGUES == "never":
+        return
+    for lib in [s for s in libraries if s.instr.op == "mm"]:
+        reason = _epilogue(analysis, merged, libraries, lib, interpret)
+        if reason is not None:
+            decisions.append(f"not fused into a matmul epilogue: {format_instr(lib.instr)}: {reason}")
+
+
+def _epilogue(analysis, merged: list[Kernel], libraries: list[Library], lib: Library, interpret: bool) -> str | None:
+    """Fuse `lib` with the kernel that reads its result, in place; None when done, else why not."""
+    instr = lib.instr
+    a, b = instr.inputs
+    y = instr.outputs[0]
+    if y.dtype not in EPILOGUE_DTYPES or a.dtype != y.dtype or b.dtype != y.dtype:
+        return f"{y.dtype} stays a library call"
+    m, k = a.shape
+    n = b.shape[1]
+    if min(m, n, k) == 0 or min(m, n) == 1:
+        return "a matrix-vector product (memory-bound: a library call reads it once)"
+    if max(a.type.numel(), b.type.numel(), y.type.numel()) > H.INT32_LIMIT:
+        return "an operand too large for 32-bit offsets"
+    if any(y.name in step_reads(analysis, s) for s in libraries if s is not lib):
+        return "a library call reads the product"
+    readers = [kern for kern in merged if y.name in {v.name for v in kern.source.loads}]
+    if len(readers) != 1:
+        return f"{len(readers)} kernels read the product"
+    consumer = readers[0]
+    if consumer.matmul is not None:
+        return "the product is read by another matmul's epilogue"
+    sums = [v for v in consumer.members if _is_space_sum(analysis, v)]
+    tile = [v for v in consumer.members if v not in sums and v.type.numel() == m * n]
+    rest = [v for v in consumer.members if v not in tile]
+    if not tile:
+        return "the kernel that reads it has no pointwise work over the product's elements"
+    fused = Kernel(Space((m, n), contract=k), [y] + tile, consumer.first, matmul=instr)
+    remaining = Kernel(consumer.space, rest, consumer.first) if rest else None
+    try:
+        if remaining is not None:
+            remaining.source = _emit(analysis, remaining, None, "trial", interpret)
+        rest_reads_product = remaining is not None and y.name in {v.name for v in remaining.source.loads}
+        stores = {v.name for v in tile} | ({y.name} if rest_reads_product or analysis.is_output(y) else set())
+        fused.source = _emit(analysis, fused, stores, "trial", interpret)
+    except NotFusible as e:
+        return str(e)
+    if remaining is not None and {v.name for v in fused.source.loads} & {v.name for v in rest}:
+        return "the epilogue reads a reduction of the kernel it came from"
+    lib_bytes = sum(v.type.numel() * v.dtype.itemsize for v in (a, b, y))
+    consumer_bytes = consumer.source.bytes_read + consumer.source.bytes_written
+    fused_bytes = fused.source.bytes_read + fused.source.bytes_written
+    rest_bytes = 0 if remaining is None else remaining.source.bytes_read + remaining.source.bytes_written
+    if fused_bytes + rest_bytes >= lib_bytes + consumer_bytes:
+        return f"moves no fewer bytes ({fused_bytes + rest_bytes} against {lib_bytes + consumer_bytes})"
+    before = (lib_bytes, consumer_bytes, 2)
+    after = (fused_bytes, rest_bytes, 1 if remaining is None else 2)
+    if H.MATMUL_EPILOGUES == "cost" and not H.epilogue_pays(2.0 * m * n * k, str(y.dtype).removeprefix("torch."), before, after):
+        return "the cost model estimates the library call plus a separate kernel faster"
+    at = merged.index(consumer)
+    merged[at : at + 1] = [fused] + ([remaining] if remaining is not None else [])
+    libraries.remove(lib)
+    return None
+
+
+def _is_space_sum(analysis, v: Value) -> bool:
+    instr = analysis.producer.get(v.name)
+    return instr is not None and instr.op == "sum" and bool(_space_of(analysis, v).reduced)
+
+
 def _names(kernel: Kernel) -> str:
     return ",".join(m.name for m in kernel.members)
 
@@ -274,6 +356,8 @@ def _emit(analysis, kernel: Kernel, stores, name: str, interpret: bool) -> Kerne
     """Column reductions prefer the looped form (coalesced loads); a kernel whose full-shape
     members need its sums takes the row-persistent form, when a row fits in one block."""
     sp = kernel.space
+    if kernel.matmul is not None:
+        return Emitter(analysis, sp, kernel.members, stores, name, interpret, matmul=kernel.matmul).build()
     if sp.reduced and (sp.column_reduction or not sp.fits_a_block):
         try:
             return Emitter(analysis, sp, kernel.members, stores, name, interpret, looped=True).build()

@@ -20,7 +20,7 @@ from torch.autograd.graph import GradientEdge
 from torch.overrides import handle_torch_function, has_torch_function
 
 from . import distributed, flags, native
-from .capture import hooks, native_walk
+from .capture import engine_view, hooks, native_walk
 from .capture.walk import leaf_node_hook_reason
 from .ir.ops import get_op
 from .ir.program import Program
@@ -36,6 +36,7 @@ _eager_backward = _autograd.backward
 _eager_grad = _autograd.grad
 
 hooks.install()
+engine_view.install()  # a hook's questions to torch's engine are answered for the user's graph
 distributed.install()  # distributed: records DDP reducers' parameters as DDP builds them
 
 

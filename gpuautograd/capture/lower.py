@@ -155,6 +155,10 @@ def lower(w: Walk, req: Request) -> Program:
         grads = [_sum(b, pending.pop((i, s), None)) for s in range(len(metas[i]))]
         node_sources = {s: sources.pop((i, s)) for s, g in enumerate(grads) if g is not None}
         hook_bits = node_hooks.get(i, 0) if node_hooks else 0
+        if hook_bits & (TENSOR_PRE_HOOKS | PRE_HOOKS | POST_HOOKS) and executes[i] and all(g is None for g in grads):
+            # eager runs the node on undefined gradients and hands its hooks None; the program
+            # prunes a node that receives nothing, so it would never call them
+            raise EagerOnly(f"the hooks of {info.name} would receive only undefined gradients (None)")
         given = grads
         if hook_bits & TENSOR_PRE_HOOKS and any(g is not None for g in grads):
             # eager calls a tensor's hooks on the summed gradient, before the node reads it

@@ -16,7 +16,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import distributed, flags, native
-from ..capture import hooks, native_walk
+from ..capture import engine_view, hooks, native_walk
 from ..capture.lower import EagerOnly, Request, lower
 from ..capture.native_walk import NATIVE, PYTHON
 from ..capture.walk import CPP, leaf_node_hook_reason, mark_hooked_released, release_plan, release_planned, release_saved, tensor_meta, walk
@@ -218,14 +218,27 @@ def _general(roots, grads, retain_graph: bool, inputs, accumulate: bool, backend
         raise Fallback(entry.fallback_reason)
     if entry.yields:
         try:
-            return _run_general(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
+            return _run_general(w, entry, grads, retain_graph, inputs, accumulate, input_edges, roots)
         except HookResultError as e:  # raised as it is; the next backward of this graph runs eagerly
             entry.fallback_reason, entry.short_path = str(e), None
             raise
-    return _run_general(w, entry, grads, retain_graph, inputs, accumulate, input_edges)
+    return _run_general(w, entry, grads, retain_graph, inputs, accumulate, input_edges, roots)
 
 
-def _run_general(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: bool, input_edges):
+def _graph_view(roots, inputs, accumulate: bool) -> engine_view.GraphView:
+    """The user's graph as torch's engine would see it, for a hook or custom backward that asks."""
+    targets = None
+    if inputs:
+        targets = []
+        for t in inputs:
+            try:
+                targets.append(get_gradient_edge(t).node)
+            except (AssertionError, RuntimeError):
+                continue  # no edge: nothing reaches it
+    return engine_view.GraphView([get_gradient_edge(t).node for t in roots], targets, captures=not accumulate)
+
+
+def _run_general(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: bool, input_edges, roots=()):
     if (entry.opaque_nodes or entry.yields) and not distributed.in_graph_task():
         # A custom Function's backward expects to run inside an autograd graph task, as in eager:
         # queue_callback, the task's keep_graph, checkpoint's check against .grad(), and reentrant
@@ -233,6 +246,8 @@ def _run_general(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate:
         # backward with an opaque node or a yield point runs as the backward of a one-node graph. Measured with bench.hit_path
         # --opaque (see bench/RESULTS.md), and only such backwards pay it.
         body = functools.partial(_execute, w, entry, grads, retain_graph, inputs, accumulate, input_edges)
+        if roots:  # inside, torch's engine introspection answers for the user's graph
+            body = functools.partial(_viewed, _graph_view(roots, inputs, accumulate), body)
         # A C++ node computes only the outputs the running graph task needs, and a grad()-like task
         # (one with inputs) needs none of an opaque node's: then the task must be backward()-like.
         # (Only checkpoint's refusal of .grad() tells them apart, and only for C++ opaque nodes.)
@@ -357,6 +372,11 @@ def bind(w, entry: Entry, grads, release: bool) -> list:
     if release:
         _release(w, entry.functional_nodes)
     return args
+
+
+def _viewed(view: engine_view.GraphView, body):
+    with engine_view.running(view):
+        return body()
 
 
 def _execute(w, entry: Entry, grads, retain_graph: bool, inputs, accumulate: bool, input_edges):

@@ -99,6 +99,10 @@ class KernelSource:
     bytes_written: int
     int64: bool = False
     table_params: frozenset[str] = frozenset()  # pointer parameters read from a pointer table
+    # (partial buffer, the column sum it stands for): per-program partial sums this kernel stores
+    # for a finishing kernel to add up (`partial_sums`), or, in that finishing kernel, what it adds up
+    partials: tuple = ()
+    finisher: bool = False  # adds up partial sums (its `partials`), nothing else
 
 
 def through_table(ks: KernelSource, loads: set[int], stores: set[int], aligned: set[str] | None = None) -> KernelSource:
@@ -138,6 +142,7 @@ class Emitter:
         interpret: bool,
         looped: bool = False,
         matmul=None,
+        partials: tuple = (),
     ):
         self.a = analysis
         self.space = space
@@ -156,6 +161,7 @@ class Emitter:
         self.looped = looped  # reductions walk the columns in a loop instead of holding whole rows
         self.sum_values: dict[str, str] = {}
         self.matmul = matmul  # the mm instruction of a matmul space
+        self.partials = partials  # ((partial buffer, column sum), ...) whose partials this kernel stores
         self.blocks = H.matmul_blocks(space.shape[0], space.shape[1], space.contract, interpret) if matmul is not None else None
         self.int64 = self._needs_int64()
 
@@ -485,7 +491,33 @@ class Emitter:
             placed = self._column_loop(members, placed)
         for m, canon, off in placed:
             self.lines.append(("#store", m, self.value(m, canon), off))
+        for buffer, column_sum in self.partials:
+            self.lines.append(("#store", buffer, self.partial_sum(column_sum, buffer), self.partial_offset()))
+            stores.append(buffer)
         return self._assemble(stores)
+
+    # -- partial column sums -----------------------------------------------------------------------
+
+    def partial_rows(self) -> str:
+        """Which block of rows this program holds: the row of its partial sums."""
+        if self.space.contract:
+            return f"(pid // {-(-self.space.shape[1] // self.blocks[1])})"
+        return "tl.program_id(0)"
+
+    def partial_offset(self) -> ix.Ix:
+        cols = self.space.shape[1] if self.space.contract else self.space.cols
+        return ix.Ix(f"{self.partial_rows()} * {cols} + cindex", cols, frozenset({"cindex"}))
+
+    def partial_sum(self, column_sum: Value, buffer: Value) -> str:
+        """The sum over this program's rows of what `column_sum` adds up, one per column: the
+        column sum of a whole tile is its row-block's share (a bias or a norm weight's gradient)."""
+        instr = self.a.producer[column_sum.name]
+        if not partial_sum_fits(self.space, instr):
+            raise NotFusible(f"{column_sum.name} does not sum over this kernel's rows")
+        self.instrs.add(self.a.position[id(instr)])
+        body = self.value(instr.inputs[0], self.space_index())
+        acc = TL_DTYPES[buffer.dtype]
+        return self.tmp(f"tl.reduce(tl.where(rmask & cmask, {body}, 0).to({acc}), 0, tl.standard._sum_combine, keep_dims=True)")
 
     def _column_loop(self, members, placed):
         """Looped reductions: one walk over the columns accumulates every sum and stores every
@@ -553,6 +585,7 @@ class Emitter:
             bytes_read,
             bytes_written,
             self.int64,
+            partials=tuple(self.partials),
         )
 
     def _prologue(self, index_ty):
@@ -627,3 +660,65 @@ def one_hot_scatter(instr) -> bool:
     if any(idx.shape[k] != base.shape[k] for k in range(base.ndim) if k != d):
         return False
     return not isinstance(src, Value) or tuple(src.shape) == tuple(idx.shape)
+
+
+def partial_sum_fits(space: Space, instr) -> bool:
+    """A sum that a kernel over `space` can split into per-program partials: it adds up a value of
+    the space's shape over the rows each program holds (a matmul tile's rows, or a row-persistent
+    reduction's kept dims) and keeps the columns."""
+    x = instr.inputs[0]
+    if instr.op != "sum" or tuple(x.shape) != space.shape:
+        return False
+    dims = tuple(sorted(d % x.ndim for d in instr.attrs["dims"]))
+    if space.contract:
+        return dims == (0,)
+    return bool(space.reduced) and dims == space.kept and not space.column_reduction and space.fits_a_block
+
+
+def finish_partials(partials: tuple, name: str, interpret: bool, instrs: list[int]) -> KernelSource:
+    """One kernel that adds up partial sums: for each (partial buffer P x C, column sum), the sum
+    over P, stored in the column sum's dtype. Columns are split across programs; P is looped."""
+    cols = partials[0][0].shape[1]
+    cblock = min(H.next_pow2(cols), H.INTERPRET_POINTWISE_BLOCK if interpret else H.GPU_LOOP_COLS)
+    pblock = H.INTERPRET_LOOP_ROWS if interpret else H.GPU_LOOP_ROWS
+    body = [
+        "cindex = tl.program_id(0) * CBLOCK + tl.arange(0, CBLOCK)[None, :]",
+        f"cmask = cindex < {cols}",
+    ]
+    for k, (buffer, column_sum) in enumerate(partials):
+        rows = buffer.shape[0]
+        body += [
+            f"acc{k} = tl.full([PBLOCK, CBLOCK], 0, {TL_DTYPES[buffer.dtype]})",
+            f"for p0 in range(0, {rows}, PBLOCK):",
+            "    pindex = p0 + tl.arange(0, PBLOCK)[:, None]",
+            f"    acc{k} += tl.load(in{k} + pindex * {cols} + cindex, mask=(pindex < {rows}) & cmask, other=0)",
+            f"total{k} = tl.reduce(acc{k}, 0, tl.standard._sum_combine, keep_dims=True)",
+            f"tl.store(out{k} + cindex, total{k}.to({TL_DTYPES[column_sum.dtype]}), mask=cmask)",
+        ]
+    params = [f"in{k}" for k in range(len(partials))] + [f"out{k}" for k in range(len(partials))]
+    sig = ", ".join(params + ["CBLOCK: tl.constexpr", "PBLOCK: tl.constexpr"])
+    loads = [b for b, _ in partials]
+    stores = [c for _, c in partials]
+    bytes_read = sum(b.type.numel() * b.dtype.itemsize for b in loads)
+    bytes_written = sum(c.type.numel() * c.dtype.itemsize for c in stores)
+    header = [
+        f"# {name}: the column sums {', '.join(c.name for c in stores)} from their partial sums",
+        f"# reads {bytes_read} bytes ({', '.join(b.name for b in loads)}), writes {bytes_written} bytes",
+    ]
+    source = "\n".join(header + ["@triton.jit", f"def {name}({sig}):"] + ["    " + line for line in body]) + "\n"
+    return KernelSource(
+        name,
+        source,
+        Space((len(partials), cols)),
+        loads,
+        stores,
+        [],
+        (-(-cols // cblock),),
+        {"CBLOCK": cblock, "PBLOCK": pblock},
+        H.num_warps(cblock * pblock),
+        instrs,  # the sums it finishes (their rows were added up by the kernels that store the partials)
+        bytes_read,
+        bytes_written,
+        partials=tuple(partials),
+        finisher=True,
+    )

@@ -27,6 +27,11 @@ INTERPRET_LOOP_COLS = 1 << 12
 INTERPRET_LOOP_ROWS = 16
 INTERPRET_COLUMN_ROWS = 256
 
+# A kernel that computes a sum's rows block by block also adds them up per block (partial sums,
+# then one small kernel adds the blocks): a bias's or a norm weight's gradient without a second
+# read of every row. False: such sums stay in their own column-sum kernel.
+PARTIAL_COLUMN_SUMS = True
+
 # How far back the planner looks for a kernel to merge with (bounds the first-call cost).
 MERGE_WINDOW = 24
 

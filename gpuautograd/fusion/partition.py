@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codegen.kernel import Emitter, KernelSource, NotFusible, Space, one_hot_scatter
-from ..codegen.lowering import LIBRARY_POINTWISE, LOWERINGS
+from ..codegen.kernel import Emitter, KernelSource, NotFusible, Space, finish_partials, one_hot_scatter, partial_sum_fits
+from ..codegen.lowering import LIBRARY_POINTWISE, LOWERINGS, compute_dtype
 from ..fusion import heuristics as H
 from ..fusion.indexing import contiguous_strides
 from ..ir.ops import POINTWISE, get_op
@@ -122,6 +122,10 @@ class Kernel:
     first: int  # program position of its first member, for the schedule's order
     source: KernelSource | None = None
     matmul: Instr | None = None  # the mm of a matmul space, whose result is members[0]
+    # (partial buffer, column sum) pairs: this kernel stores per-program partial sums of each, or,
+    # when `finisher`, adds them up into the column sums (its members)
+    partials: list = field(default_factory=list)
+    finisher: bool = False
 
 
 @dataclass
@@ -230,6 +234,7 @@ def plan_fusion(program: Program, input_strides: dict[str, tuple[int, ...]], int
             break
 
     _fuse_epilogues(analysis, merged, libraries, decisions, interpret)
+    _split_column_sums(analysis, merged, libraries, decisions, interpret)
     steps = _schedule(analysis, merged, libraries)
     _finalize(analysis, steps, interpret)
     return FusionPlan(program, analysis, steps, decisions)
@@ -328,6 +333,110 @@ def _epilogue(analysis, merged: list[Kernel], libraries: list[Library], lib: Lib
     return None
 
 
+def _split_column_sums(analysis, merged: list[Kernel], libraries: list[Library], decisions, interpret: bool) -> None:
+    """A kernel of column sums (a bias's or a norm weight's gradient: a sum over every row)
+    re-reads what another kernel computes row block by row block. That kernel can add up its own
+    rows of each sum instead and store one partial sum per program; a small kernel then adds the
+    partials up. Taken per column-sum kernel, all its sums or none (so launches never grow), where
+    the plan then moves fewer bytes."""
+    if not H.PARTIAL_COLUMN_SUMS:
+        return
+    ids = iter(range(_max_value_id(analysis.program) + 1, 1 << 62))
+    for kern in list(merged):
+        if kern.finisher or kern.matmul is not None or not _all_sums(analysis, kern):
+            continue
+        reason = _split(analysis, merged, libraries, kern, ids, interpret)
+        if reason is not None:
+            decisions.append(f"column sums {_names(kern)} not split into partial sums: {reason}")
+
+
+def _all_sums(analysis, kern: Kernel) -> bool:
+    return bool(kern.members) and all(_is_space_sum(analysis, v) for v in kern.members)
+
+
+def _split(analysis, merged: list[Kernel], libraries: list[Library], kern: Kernel, ids, interpret: bool) -> str | None:
+    """Each sum goes to the kernel that computes its rows for the fewest added bytes, where
+    reading what it adds creates no cycle; then the finisher replaces `kern`."""
+    steps = merged + libraries
+    writer = {name: step for step in steps for name in _step_writes(step)}
+    succ: dict[int, list] = {}
+    for w, t in (*_data_edges(analysis, steps), *_effect_edges(libraries)):
+        succ.setdefault(id(w), []).append(t)
+    sums = {m.name for m in kern.members}
+    chosen: dict[int, list] = {}  # id(host) -> [host, its trial, pairs]
+    for s in kern.members:
+        instr = analysis.producer[s.name]
+        best = None
+        for host in merged:
+            if host is kern or host.finisher or not partial_sum_fits(host.space, instr):
+                continue
+            _, current, pairs = chosen.get(id(host), (host, host, []))
+            partial_type = TensorType((_row_blocks(host, interpret), s.type.numel()), compute_dtype(s.dtype), s.device)
+            buffer = Value(next(ids), partial_type, s.origin)  # one row per program, in the sum's accumulation dtype
+            trial = Kernel(host.space, host.members, host.first, matmul=host.matmul, partials=host.partials + pairs + [(buffer, s)])
+            stored = {m.name for m in host.source.stores} - {b.name for b, _ in host.partials}
+            try:
+                trial.source = _emit(analysis, trial, stored, "trial", interpret)
+            except NotFusible:
+                continue
+            added = {v.name for v in trial.source.loads} - {v.name for v in host.source.loads}
+            if added & sums or {v.name for v in host.source.loads} & sums:
+                continue
+            if any(name in writer and _reaches(succ, host, writer[name]) for name in added):
+                continue  # what it would read is computed after it
+            cost = _bytes(trial) - _bytes(current)
+            if best is None or cost < best[0]:
+                best = (cost, host, trial, pairs + [(buffer, s)])
+        if best is None:
+            return f"no kernel computes {s.name}'s rows without a cycle"
+        _, host, trial, pairs = best
+        chosen[id(host)] = [host, trial, pairs]
+    pairs = [pair for _, _, group in chosen.values() for pair in group]
+    finisher = Kernel(Space((len(pairs), kern.space.cols)), [s for _, s in pairs], kern.first, partials=pairs, finisher=True)
+    finisher.source = _emit(analysis, finisher, None, "trial", interpret)
+    before = _bytes(kern)
+    after = _bytes(finisher) + sum(_bytes(trial) - _bytes(host) for host, trial, _ in chosen.values())
+    if after >= before:
+        return f"moves no fewer bytes ({after} against {before})"
+    for host, trial, _ in chosen.values():
+        merged[merged.index(host)] = trial
+    merged[merged.index(kern)] = finisher
+    return None
+
+
+def _bytes(kernel: Kernel) -> int:
+    return kernel.source.bytes_read + kernel.source.bytes_written
+
+
+def _reaches(succ: dict, src, dst) -> bool:
+    stack, seen = list(succ.get(id(src), [])), set()
+    while stack:
+        step = stack.pop()
+        if step is dst:
+            return True
+        if id(step) not in seen:
+            seen.add(id(step))
+            stack.extend(succ.get(id(step), []))
+    return False
+
+
+def _row_blocks(host: Kernel, interpret: bool) -> int:
+    """How many programs split the rows of `host`: one partial sum each."""
+    sp = host.space
+    if sp.contract:
+        return -(-sp.shape[0] // H.matmul_blocks(sp.shape[0], sp.shape[1], sp.contract, interpret)[0])
+    return host.source.grid[0]
+
+
+def _max_value_id(program: Program) -> int:
+    top = 0
+    for instr in program.instrs:
+        for o in instr.outputs:
+            if o is not None and not o.prefix:
+                top = max(top, o.id)
+    return top
+
+
 def _is_space_sum(analysis, v: Value) -> bool:
     instr = analysis.producer.get(v.name)
     return instr is not None and instr.op == "sum" and bool(_space_of(analysis, v).reduced)
@@ -356,15 +465,19 @@ def _emit(analysis, kernel: Kernel, stores, name: str, interpret: bool) -> Kerne
     """Column reductions prefer the looped form (coalesced loads); a kernel whose full-shape
     members need its sums takes the row-persistent form, when a row fits in one block."""
     sp = kernel.space
+    if kernel.finisher:
+        instrs = sorted(analysis.position[id(analysis.producer[s.name])] for _, s in kernel.partials)
+        return finish_partials(tuple(kernel.partials), name, interpret, instrs)
+    partials = tuple(kernel.partials)
     if kernel.matmul is not None:
-        return Emitter(analysis, sp, kernel.members, stores, name, interpret, matmul=kernel.matmul).build()
-    if sp.reduced and (sp.column_reduction or not sp.fits_a_block):
+        return Emitter(analysis, sp, kernel.members, stores, name, interpret, matmul=kernel.matmul, partials=partials).build()
+    if sp.reduced and (sp.column_reduction or not sp.fits_a_block) and not partials:
         try:
             return Emitter(analysis, sp, kernel.members, stores, name, interpret, looped=True).build()
         except NotFusible:
             if not sp.fits_a_block:
                 raise
-    return Emitter(analysis, sp, kernel.members, stores, name, interpret).build()
+    return Emitter(analysis, sp, kernel.members, stores, name, interpret, partials=partials).build()
 
 
 def step_reads(analysis: Analysis, step) -> set[str]:
@@ -376,7 +489,7 @@ def step_reads(analysis: Analysis, step) -> set[str]:
 
 def _step_writes(step) -> set[str]:
     if isinstance(step, Kernel):
-        return {m.name for m in step.members}
+        return {m.name for m in step.members} | ({b.name for b, _ in step.partials} if not step.finisher else set())
     return {o.name for o in step.instr.outputs if o is not None}
 
 

@@ -271,10 +271,18 @@ def free_at_last_use(lines: list[str], keep: set[str]) -> list[str]:
 
 
 def _reference_fallback(program: Program, ks: KernelSource):
-    """The kernel's instructions run as reference torch ops, written into the kernel's outputs."""
+    """The kernel's instructions run as reference torch ops, written into the kernel's outputs.
+    Partial sums are written as the whole column sum in the first row and zeros below, which the
+    finishing kernel (or its own fallback) adds up to the same sums."""
     instrs = [program.instrs[k] for k in ks.instrs]
+    partial_of = {buffer.name: column_sum for buffer, column_sum in ks.partials}
 
     def run(inputs, outputs):
+        if ks.finisher:
+            with torch.no_grad():
+                for partial, out in zip(inputs, outputs):
+                    out.copy_(partial.sum(0).reshape(out.shape))
+            return
         env = {v.name: t for v, t in zip(ks.loads, inputs)}
         with torch.no_grad():
             for instr in instrs:
@@ -285,6 +293,10 @@ def _reference_fallback(program: Program, ks: KernelSource):
                     if o is not None:
                         env[o.name] = r
             for m, out in zip(ks.stores, outputs):
-                out.copy_(env[m.name])
+                if m.name in partial_of:
+                    out.zero_()
+                    out[0].copy_(env[partial_of[m.name].name].reshape(-1))
+                else:
+                    out.copy_(env[m.name])
 
     return run

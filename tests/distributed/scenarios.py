@@ -389,5 +389,8 @@ def worker(rank: int, world: int, port: int, backend: str, names: list[str]) -> 
         for name in names:
             gpuautograd.reset()
             SCENARIOS[name](rank, world, device)
+        # no rank tears its process group down while another still talks to it (on a loaded
+        # machine the ranks finish far apart, and gloo aborts a rank torn down mid-exchange)
+        dist.barrier()
     finally:
         dist.destroy_process_group()

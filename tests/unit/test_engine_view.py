@@ -5,6 +5,8 @@ hooked node that would receive only undefined gradients runs eagerly, so its hoo
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -12,6 +14,14 @@ import gpuautograd
 from gpuautograd import native
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="hooks run functionally only with the native extension")
+
+
+@pytest.fixture(autouse=True)
+def collect_hooked_graphs():
+    """A hook here closes over nodes of its own graph (a reference cycle): collect it after each
+    test, or the Python walk of later tests would see a live hooked node and run eagerly."""
+    yield
+    gc.collect()
 
 
 def grad_fn_of(t):

@@ -107,6 +107,44 @@ def _scatter_into_argmax(b, grad, indices, input_type, spatial: int):
     return b.reshape(b.scatter_add(base, -1, flat_idx, flat_grad), input_type.shape)
 
 
+def _tiling_windows(node, input_type, grad_type, spatial: int) -> tuple[int, ...] | None:
+    """The window of a max pooling whose windows tile its input exactly (stride = kernel, no
+    padding or dilation, the input a whole number of windows): each input element then lies in
+    one window. None for any other pooling."""
+    kernel = tuple(node.saved("kernel_size"))
+    stride = tuple(node.saved("stride")) or kernel
+    kernel = kernel * spatial if len(kernel) == 1 else kernel
+    stride = stride * spatial if len(stride) == 1 else stride
+    padding, dilation = tuple(node.saved("padding")), tuple(node.saved("dilation"))
+    if stride != kernel or any(padding) or any(d != 1 for d in dilation):
+        return None
+    sizes, outs = input_type.shape[-spatial:], grad_type.shape[-spatial:]
+    if any(n != o * k for n, o, k in zip(sizes, outs, kernel)):
+        return None
+    return kernel
+
+
+def _route_to_argmax(b, grad, indices, input_type, window: tuple[int, ...]):
+    """Windows that tile the input: each input element takes its window's gradient where it is the
+    window's argmax, else 0. Layout ops and one comparison: a pointwise kernel, no scatter and no
+    buffer of zeros."""
+    spatial = len(window)
+    lead = input_type.shape[: input_type.ndim - spatial]
+    outs = grad.shape[-spatial:]
+    split = lead + tuple(x for o in outs for x in (o, 1))
+    spread = lead + tuple(x for o, k in zip(outs, window) for x in (o, k))
+
+    def per_element(x):
+        return b.reshape(b.expand(b.reshape(x, split), spread), input_type.shape)
+
+    plane = 1
+    for n in input_type.shape[-spatial:]:
+        plane *= n
+    position = b.reshape(b.emit("arange", length=plane, dtype=indices.dtype, device=indices.device), input_type.shape[-spatial:])
+    hit = b.eq(per_element(indices), b.expand(position, input_type.shape))
+    return b.where(hit, per_element(grad), 0.0)
+
+
 def _max_pool_rule(spatial: int):
     def rule(b, node, grads):
         # self: max_pool{2,3}d_with_indices_backward / adaptive_max_pool{2,3}d_backward(grad, self, ..., result1): scatter-add into the argmax
@@ -114,6 +152,8 @@ def _max_pool_rule(spatial: int):
         if grad is None or not node.needs(0):
             return [None]
         self_ = node.saved("self")
+        if node.name.startswith("MaxPool") and (window := _tiling_windows(node, self_.type, grad.type, spatial)):
+            return [_route_to_argmax(b, grad, node.saved("result1"), self_.type, window)]
         return [_scatter_into_argmax(b, grad, node.saved("result1"), self_.type, spatial)]
 
     return rule

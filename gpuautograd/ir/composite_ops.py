@@ -244,6 +244,63 @@ def _layer_norm_backward(grad, input, mean, rstd, *optional, present, normalized
     return aten.native_layer_norm_backward(grad, input, list(normalized_shape), mean, rstd, weight, bias, list(output_mask))
 
 
+def _batch_norm_infer(ts, attrs):
+    grad, x, *optional = ts
+    op = "batch_norm_backward"
+    _same(op, grad, x)
+    _require(x.ndim >= 2, op, f"needs (N, C, ...) inputs, got {x}")
+    weight, running_mean, running_var, save_mean, save_invstd = _fill(optional, attrs["present"])
+    stats = (save_mean, save_invstd) if attrs["train"] else (running_mean, running_var)
+    _require(all(t is not None for t in stats), op, "the statistics its formula reads are absent")
+    outs = (x, weight, weight if weight is not None else x)
+    per_channel = [None if t is None else TensorType((x.shape[1],), t.dtype, x.device) for t in outs[1:]]
+    return [t if m else None for t, m in zip([x, *per_channel], attrs["output_mask"])]
+
+
+def _batch_norm_decomposed(b, grad, input, *optional, present, train, eps, output_mask):
+    # x_hat = (x - mean) * invstd per channel, sums over every dim but the channel's (N = their size):
+    # train: input: weight * invstd * (grad - sum(grad) / N - x_hat * sum(grad * x_hat) / N)
+    # eval (running statistics, invstd = 1 / sqrt(running_var + eps)): input: weight * invstd * grad
+    # weight: sum(grad * x_hat); bias: sum(grad)
+    weight, running_mean, running_var, save_mean, save_invstd = _fill(optional, present)
+    channels = input.shape[1]
+    dims = tuple(d for d in range(input.ndim) if d != 1)
+    per_channel = tuple(channels if d == 1 else 1 for d in range(input.ndim))
+    n = math.prod(input.shape[d] for d in dims)
+    g, xf = _opmath(b, grad), _opmath(b, input)
+    if train:
+        mean, invstd = _opmath(b, save_mean), _opmath(b, save_invstd)
+    else:
+        mean, invstd = _opmath(b, running_mean), b.pow(b.add(_opmath(b, running_var), eps), -0.5)
+    mean, invstd = b.reshape(mean, per_channel), b.reshape(invstd, per_channel)
+    x_hat = b.mul(b.sub(xf, mean), invstd)
+    sum_g = b.sum(g, dims, keepdim=True)
+    d_input = d_weight = d_bias = None
+    if output_mask[0]:
+        scale = invstd if weight is None else b.mul(b.reshape(_opmath(b, weight), per_channel), invstd)
+        inner = g
+        if train:
+            proj = b.mul(x_hat, b.div(b.sum(b.mul(g, x_hat), dims, keepdim=True), n))
+            inner = b.sub(b.sub(g, b.div(sum_g, n)), proj)
+        d_input = b.cast(b.mul(scale, inner), input.dtype)
+    affine = weight.dtype if weight is not None else input.dtype
+    if output_mask[1]:
+        d_weight = b.cast(b.reshape(b.sum(b.mul(g, x_hat), dims, keepdim=True), (channels,)), affine)
+    if output_mask[2]:
+        d_bias = b.cast(b.reshape(sum_g, (channels,)), affine)
+    return d_input, d_weight, d_bias
+
+
+@_composite("batch_norm_backward", _batch_norm_infer, _batch_norm_decomposed)
+def _batch_norm_backward(grad, input, *optional, present, train, eps, output_mask):
+    """aten's batch norm backward for the reference executor; its formula for the fused backends,
+    where the per-channel sums and the input's gradient become one generated kernel."""
+    weight, running_mean, running_var, save_mean, save_invstd = _fill(optional, present)
+    return aten.native_batch_norm_backward(
+        grad, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, list(output_mask)
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Losses
 

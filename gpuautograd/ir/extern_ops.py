@@ -51,15 +51,6 @@ def _convolution_backward(grad, input, weight, *, bias_sizes, stride, padding, d
     )
 
 
-@register_op("batch_norm_backward", EXTERN)
-def _batch_norm_backward(grad, input, *optional, present, train, eps, output_mask):
-    """`optional` holds the present ones of (weight, running_mean, running_var, save_mean, save_invstd)."""
-    weight, running_mean, running_var, save_mean, save_invstd = _fill_absent(optional, present)
-    return aten.native_batch_norm_backward(
-        grad, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, list(output_mask)
-    )
-
-
 def _suggest_memory_format(x):
     try:
         from torch._prims_common import suggest_memory_format

@@ -7,6 +7,7 @@ argmax positions, plain IR that fuses, so it needs no library call.
 
 from __future__ import annotations
 
+from ..ir import composite_ops as composite
 from ..ir.extern_ops import emit_optional  # the import also registers the extern ops used here
 from .registry import register
 
@@ -60,14 +61,14 @@ def _batch_norm(b, node, grads, *, eps: str, train: bool):
     if grad is None:
         return [None] * node.num_outputs
     stats = [_saved_or_none(node, n) for n in ("weight", "running_mean", "running_var", "result1", "result2")]
-    outs = emit_optional(
-        b,
-        "batch_norm_backward",
-        [grad, node.saved("input")],
-        stats,
-        train=train,
-        eps=node.saved(eps),
-        output_mask=_mask(node, 3),
+    # the formula reads the saved statistics (train) or the running ones (eval)
+    needs = stats[3:] if train else stats[1:3]
+    if not all(t is not None and t.type.numel() == grad.shape[1] for t in needs) or grad.ndim < 2:
+        raise NotImplementedError("the batch statistics its formula reads are absent (the live node runs)")
+    attrs = dict(train=train, eps=node.saved(eps), output_mask=_mask(node, 3))
+    present = tuple(t is not None for t in stats)
+    outs = composite.emit(
+        b, "batch_norm_backward", grad, node.saved("input"), *(t for t in stats if t is not None), present=present, **attrs
     )
     return _masked(node, outs)
 

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpuautograd.runtime.floor import footprint
+
 # Allocation without a kernel: the memory is handed out, nothing runs on the device.
 _ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted"}
 
@@ -49,7 +51,8 @@ class AtenOpCounter(TorchDispatchMode):
         if launches_kernel(func):
             self.launching += 1
             tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(a, torch.Tensor)]
-            self.launching_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            # each at its real size in memory (an expanded index at its storage's), as the plan's are
+            self.launching_bytes += sum(footprint(t) for t in tensors if t.layout == torch.strided)
         return out
 
 

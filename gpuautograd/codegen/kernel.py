@@ -566,7 +566,7 @@ class Emitter:
             params += [f"{self.loads[v.name]}_s{d}" for d in range(v.ndim)]
         head, constexprs, grid, warps = self._prologue("tl.int64" if self.int64 else None)
         sig = ", ".join(params + [f"{c}: tl.constexpr" for c in constexprs])
-        bytes_read = sum(v.type.numel() * v.dtype.itemsize for v in self.load_values)
+        bytes_read = sum(self.a.read_bytes(v) for v in self.load_values)
         bytes_written = sum(m.type.numel() * m.dtype.itemsize for m in stores)
         header = self._header(stores, bytes_read, bytes_written)
         lines = header + ["@triton.jit", f"def {self.name}({sig}):"] + ["    " + x for x in head + body]

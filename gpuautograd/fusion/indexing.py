@@ -128,6 +128,15 @@ def offset(index: list[Ix], shape, strides) -> Ix:
     return Ix(code, 1 << 62, vars_)
 
 
+def span_elements(shape, strides) -> int:
+    """The elements a tensor of this geometry occupies in memory: an expanded (stride-0) dim costs
+    nothing, so a broadcast index is charged at its real size, as a kernel reading it is (its
+    repeated loads hit the cache)."""
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(shape, strides))
+
+
 def contiguous_strides(shape) -> tuple[int, ...]:
     out = []
     acc = 1

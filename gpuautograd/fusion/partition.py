@@ -25,7 +25,7 @@ import torch
 from ..codegen.kernel import Emitter, KernelSource, NotFusible, Space, finish_partials, one_hot_scatter, partial_sum_fits
 from ..codegen.lowering import LIBRARY_POINTWISE, LOWERINGS, compute_dtype
 from ..fusion import heuristics as H
-from ..fusion.indexing import contiguous_strides
+from ..fusion.indexing import contiguous_strides, span_elements
 from ..ir.ops import POINTWISE, get_op
 from ..ir.printer import format_instr
 from ..ir.program import Instr, Program, Value
@@ -106,6 +106,13 @@ class Analysis:
     def _row_major_result(self, v: Value) -> bool:
         instr = self.producer.get(v.name)
         return instr is not None and instr.op in ROW_MAJOR_RESULTS
+
+    def read_bytes(self, v: Value) -> int:
+        """Bytes a step reads of `v`: a program input at its real size in memory (an expanded input
+        costs what its storage holds), anything else at its size."""
+        strides = self.input_strides.get(v.name)
+        n = v.type.numel() if strides is None else min(v.type.numel(), span_elements(v.shape, strides))
+        return n * v.dtype.itemsize
 
     def strides(self, v: Value, param: str):
         if v.name in self.input_strides:

@@ -258,7 +258,7 @@ class _BoundWriter(_Writer):
         self.lines.append(f"    {name}()  # library: {format_instr(instr)}, through the table")
         if out.name in self.fresh_library and not alone:
             self.segment.last_out.append(self.ref(out, out.name).rid)
-        return sum(_nbytes(x) for x in instr.inputs) + _nbytes(out)
+        return sum(self.a.read_bytes(x) for x in instr.inputs) + _nbytes(out)
 
     def write_library(self, step: Library, memory) -> int:
         instr = step.instr
@@ -277,7 +277,7 @@ class _BoundWriter(_Writer):
             a, b = (self.emit_host(x) for x in instr.inputs)
             name = self.static(out)
             self.lines.append(f"    {WRITES_INTO[instr.op]}({a}, {b}, out={name})  # library: {format_instr(instr)}")
-            nbytes = sum(_nbytes(x) for x in instr.inputs) + _nbytes(out)
+            nbytes = sum(self.a.read_bytes(x) for x in instr.inputs) + _nbytes(out)
         else:
             nbytes = super().write_library(step, memory)
             for o in instr.outputs:

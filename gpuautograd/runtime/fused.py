@@ -218,7 +218,7 @@ class _Writer:
             a, b = (self.emit_host(x) for x in instr.inputs)
             name = self.allocate(out, memory, None)
             self.lines.append(f"    {WRITES_INTO[instr.op]}({a}, {b}, out={name})  # library: {format_instr(instr)}")
-            return sum(_nbytes(x) for x in instr.inputs) + _nbytes(out)
+            return sum(self.a.read_bytes(x) for x in instr.inputs) + _nbytes(out)
         fn = f"{instr.op}_{step.position}"
         impl = get_op(instr.op).impl
         self.env[fn] = functools.partial(impl, **instr.attrs) if instr.attrs else impl
@@ -227,7 +227,7 @@ class _Writer:
         for x in instr.inputs:
             if isinstance(x, Value):
                 args.append(self.emit_host(x))
-                nbytes += _nbytes(x) if hasattr(x.type, "shape") else 0
+                nbytes += self.a.read_bytes(x) if hasattr(x.type, "shape") else 0
             elif isinstance(x, float) and not math.isfinite(x):
                 const = f"const_{len(self.env)}"
                 self.env[const] = x

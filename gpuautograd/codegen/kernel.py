@@ -675,9 +675,10 @@ def partial_sum_fits(space: Space, instr) -> bool:
     return bool(space.reduced) and dims == space.kept and not space.column_reduction and space.fits_a_block
 
 
-def finish_partials(partials: tuple, name: str, interpret: bool, instrs: list[int]) -> KernelSource:
+def finish_partials(partials: tuple, name: str, interpret: bool, instrs: list[int], outs: tuple) -> KernelSource:
     """One kernel that adds up partial sums: for each (partial buffer P x C, column sum), the sum
-    over P, stored in the column sum's dtype. Columns are split across programs; P is looped."""
+    over P, stored into the matching `outs` value in its dtype (the sum's, or the dtype of a cast
+    of it). Columns are split across programs; P is looped."""
     cols = partials[0][0].shape[1]
     cblock = min(H.next_pow2(cols), H.INTERPRET_POINTWISE_BLOCK if interpret else H.GPU_LOOP_COLS)
     pblock = H.INTERPRET_LOOP_ROWS if interpret else H.GPU_LOOP_ROWS
@@ -685,7 +686,7 @@ def finish_partials(partials: tuple, name: str, interpret: bool, instrs: list[in
         "cindex = tl.program_id(0) * CBLOCK + tl.arange(0, CBLOCK)[None, :]",
         f"cmask = cindex < {cols}",
     ]
-    for k, (buffer, column_sum) in enumerate(partials):
+    for k, ((buffer, _), out) in enumerate(zip(partials, outs)):
         rows = buffer.shape[0]
         body += [
             f"acc{k} = tl.full([PBLOCK, CBLOCK], 0, {TL_DTYPES[buffer.dtype]})",
@@ -693,12 +694,12 @@ def finish_partials(partials: tuple, name: str, interpret: bool, instrs: list[in
             "    pindex = p0 + tl.arange(0, PBLOCK)[:, None]",
             f"    acc{k} += tl.load(in{k} + pindex * {cols} + cindex, mask=(pindex < {rows}) & cmask, other=0)",
             f"total{k} = tl.reduce(acc{k}, 0, tl.standard._sum_combine, keep_dims=True)",
-            f"tl.store(out{k} + cindex, total{k}.to({TL_DTYPES[column_sum.dtype]}), mask=cmask)",
+            f"tl.store(out{k} + cindex, total{k}.to({TL_DTYPES[out.dtype]}), mask=cmask)",
         ]
     params = [f"in{k}" for k in range(len(partials))] + [f"out{k}" for k in range(len(partials))]
     sig = ", ".join(params + ["CBLOCK: tl.constexpr", "PBLOCK: tl.constexpr"])
     loads = [b for b, _ in partials]
-    stores = [c for _, c in partials]
+    stores = list(outs)
     bytes_read = sum(b.type.numel() * b.dtype.itemsize for b in loads)
     bytes_written = sum(c.type.numel() * c.dtype.itemsize for c in stores)
     header = [

@@ -344,87 +344,106 @@ def _split_column_sums(analysis, merged: list[Kernel], libraries: list[Library],
     """A kernel of column sums (a bias's or a norm weight's gradient: a sum over every row)
     re-reads what another kernel computes row block by row block. That kernel can add up its own
     rows of each sum instead and store one partial sum per program; a small kernel then adds the
-    partials up. Taken per column-sum kernel, all its sums or none (so launches never grow), where
-    the plan then moves fewer bytes."""
+    partials up. The column-sum kernel's other members (a norm's input gradient, merged there in
+    bfloat16) move into such a kernel too: the column-sum kernel goes whole or stays (so launches
+    never grow), and only where the plan then moves fewer bytes."""
     if not H.PARTIAL_COLUMN_SUMS:
         return
     ids = iter(range(_max_value_id(analysis.program) + 1, 1 << 62))
     for kern in list(merged):
-        if kern.finisher or kern.matmul is not None or not _all_sums(analysis, kern):
+        if kern.finisher or kern.matmul is not None or not _column_sums(analysis, merged, kern):
             continue
         reason = _split(analysis, merged, libraries, kern, ids, interpret)
         if reason is not None:
             decisions.append(f"column sums {_names(kern)} not split into partial sums: {reason}")
 
 
-def _all_sums(analysis, kern: Kernel) -> bool:
-    return bool(kern.members) and all(_is_space_sum(analysis, v) for v in kern.members)
+def _column_sums(analysis, merged: list[Kernel], kern: Kernel) -> bool:
+    """Does `kern` hold sums, each of which another kernel could add up as partial sums?"""
+    sums = [analysis.producer[v.name] for v in kern.members if _is_space_sum(analysis, v)]
+    return bool(sums) and all(any(k is not kern and partial_sum_fits(k.space, i) for k in merged) for i in sums)
+
+
+def _sole_casts(analysis, kern: Kernel, sums: list[Value]) -> dict[str, Value]:
+    """Members that only cast one of the sums (a bfloat16 weight's gradient, summed in float32): the
+    finisher stores the cast instead of the sum, when nothing else reads the sum."""
+    casts = {}
+    for m in kern.members:
+        instr = analysis.producer[m.name]
+        if instr.op != "cast" or not isinstance(instr.inputs[0], Value):
+            continue
+        s = instr.inputs[0]
+        readers = analysis.users.get(s.name, [])
+        if s in sums and readers == [analysis.position[id(instr)]] and not analysis.is_output(s):
+            casts[s.name] = m
+    return casts
 
 
 def _split(analysis, merged: list[Kernel], libraries: list[Library], kern: Kernel, ids, interpret: bool) -> str | None:
-    """Each sum goes to the kernel that computes its rows for the fewest added bytes, where
-    reading what it adds creates no cycle; then the finisher replaces `kern`."""
+    """Each sum goes, as partial sums, to the kernel that computes its rows for the fewest added
+    bytes; each other member joins such a kernel the same way. Then the finisher replaces `kern`,
+    if the steps still form no cycle."""
     steps = merged + libraries
     writer = {name: step for step in steps for name in _step_writes(step)}
     succ: dict[int, list] = {}
     for w, t in (*_data_edges(analysis, steps), *_effect_edges(libraries)):
         succ.setdefault(id(w), []).append(t)
-    sums = {m.name for m in kern.members}
-    chosen: dict[int, list] = {}  # id(host) -> [host, its trial, pairs]
-    for s in kern.members:
-        instr = analysis.producer[s.name]
+    own = {m.name for m in kern.members}
+    chosen: dict[int, list] = {}  # id(host) -> [host, its trial, partial pairs, joined members]
+    sums = [m for m in kern.members if _is_space_sum(analysis, m)]
+    casts = _sole_casts(analysis, kern, sums)
+    cast_members = {c.name for c in casts.values()}
+    for m in sums + [m for m in kern.members if m not in sums and m.name not in cast_members]:
+        is_sum = m in sums
         best = None
         for host in merged:
-            if host is kern or host.finisher or not partial_sum_fits(host.space, instr):
+            if host is kern or host.finisher:
                 continue
-            _, current, pairs = chosen.get(id(host), (host, host, []))
-            partial_type = TensorType((_row_blocks(host, interpret), s.type.numel()), compute_dtype(s.dtype), s.device)
-            buffer = Value(next(ids), partial_type, s.origin)  # one row per program, in the sum's accumulation dtype
-            trial = Kernel(host.space, host.members, host.first, matmul=host.matmul, partials=host.partials + pairs + [(buffer, s)])
-            stored = {m.name for m in host.source.stores} - {b.name for b, _ in host.partials}
+            if is_sum and not partial_sum_fits(host.space, analysis.producer[m.name]):
+                continue
+            _, current, pairs, joined = chosen.get(id(host), (host, host, [], []))
+            if is_sum:
+                partial_type = TensorType((_row_blocks(host, interpret), m.type.numel()), compute_dtype(m.dtype), m.device)
+                buffer = Value(next(ids), partial_type, m.origin)  # one row per program, in the sum's accumulation dtype
+                pairs, joins = pairs + [(buffer, m)], joined
+            else:
+                pairs, joins = pairs, joined + [m]
+            trial = Kernel(host.space, host.members + joins, host.first, matmul=host.matmul, partials=host.partials + pairs)
+            stored = ({v.name for v in host.source.stores} - {b.name for b, _ in host.partials}) | {v.name for v in joins}
             try:
                 trial.source = _emit(analysis, trial, stored, "trial", interpret)
             except NotFusible:
                 continue
             added = {v.name for v in trial.source.loads} - {v.name for v in host.source.loads}
-            if added & sums or {v.name for v in host.source.loads} & sums:
-                continue
+            if {v.name for v in trial.source.loads} & own:
+                continue  # it would read what it is taking over
             if any(name in writer and _reaches(succ, host, writer[name]) for name in added):
                 continue  # what it would read is computed after it
             cost = _bytes(trial) - _bytes(current)
             if best is None or cost < best[0]:
-                best = (cost, host, trial, pairs + [(buffer, s)])
+                best = (cost, host, trial, pairs, joins)
         if best is None:
-            return f"no kernel computes {s.name}'s rows without a cycle"
-        _, host, trial, pairs = best
-        chosen[id(host)] = [host, trial, pairs]
-    pairs = [pair for _, _, group in chosen.values() for pair in group]
-    finisher = Kernel(Space((len(pairs), kern.space.cols)), [s for _, s in pairs], kern.first, partials=pairs, finisher=True)
+            return f"no kernel computes {m.name}'s rows without a cycle"
+        _, host, trial, pairs, joins = best
+        chosen[id(host)] = [host, trial, pairs, joins]
+    pairs = [pair for _, _, group, _ in chosen.values() for pair in group]
+    outs = [casts.get(s.name, s) for _, s in pairs]
+    finisher = Kernel(Space((len(pairs), kern.space.cols)), outs, kern.first, partials=pairs, finisher=True)
     finisher.source = _emit(analysis, finisher, None, "trial", interpret)
     before = _bytes(kern)
-    after = _bytes(finisher) + sum(_bytes(trial) - _bytes(host) for host, trial, _ in chosen.values())
+    after = _bytes(finisher) + sum(_bytes(trial) - _bytes(host) for host, trial, _, _ in chosen.values())
     if after >= before:
         return f"moves no fewer bytes ({after} against {before})"
-    for host, trial, _ in chosen.values():
-        merged[merged.index(host)] = trial
-    merged[merged.index(kern)] = finisher
+    proposal = list(merged)
+    for host, trial, _, _ in chosen.values():
+        proposal[proposal.index(host)] = trial
+    proposal[proposal.index(kern)] = finisher
+    try:
+        _schedule(analysis, proposal, libraries)
+    except RuntimeError:
+        return "the steps would form a cycle"
+    merged[:] = proposal
     return None
-
-
-def _bytes(kernel: Kernel) -> int:
-    return kernel.source.bytes_read + kernel.source.bytes_written
-
-
-def _reaches(succ: dict, src, dst) -> bool:
-    stack, seen = list(succ.get(id(src), [])), set()
-    while stack:
-        step = stack.pop()
-        if step is dst:
-            return True
-        if id(step) not in seen:
-            seen.add(id(step))
-            stack.extend(succ.get(id(step), []))
-    return False
 
 
 def _row_blocks(host: Kernel, interpret: bool) -> int:
@@ -442,6 +461,22 @@ def _max_value_id(program: Program) -> int:
             if o is not None and not o.prefix:
                 top = max(top, o.id)
     return top
+
+
+def _bytes(kernel: Kernel) -> int:
+    return kernel.source.bytes_read + kernel.source.bytes_written
+
+
+def _reaches(succ: dict, src, dst) -> bool:
+    stack, seen = list(succ.get(id(src), [])), set()
+    while stack:
+        step = stack.pop()
+        if step is dst:
+            return True
+        if id(step) not in seen:
+            seen.add(id(step))
+            stack.extend(succ.get(id(step), []))
+    return False
 
 
 def _is_space_sum(analysis, v: Value) -> bool:
@@ -473,8 +508,9 @@ def _emit(analysis, kernel: Kernel, stores, name: str, interpret: bool) -> Kerne
     members need its sums takes the row-persistent form, when a row fits in one block."""
     sp = kernel.space
     if kernel.finisher:
-        instrs = sorted(analysis.position[id(analysis.producer[s.name])] for _, s in kernel.partials)
-        return finish_partials(tuple(kernel.partials), name, interpret, instrs)
+        finished = [s for _, s in kernel.partials] + [m for m in kernel.members if m not in [s for _, s in kernel.partials]]
+        instrs = sorted(analysis.position[id(analysis.producer[v.name])] for v in finished)
+        return finish_partials(tuple(kernel.partials), name, interpret, instrs, tuple(kernel.members))
     partials = tuple(kernel.partials)
     if kernel.matmul is not None:
         return Emitter(analysis, sp, kernel.members, stores, name, interpret, matmul=kernel.matmul, partials=partials).build()

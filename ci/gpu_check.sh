@@ -31,10 +31,12 @@
 #   bench_quick      90   70 s [31-64 s] compiled autograd's cold Dynamo+Inductor compile dominates,
 #                                       then gpuautograd's kernels for each model, compiled cold
 #   host_overhead    20   15 s [10-21 s] 40 replays a model; kernels found in Triton's disk cache
-#   extern_binding   20   15 s   [5-7 s] --quick: d=768, B*T=2048, 3 products x 2 dtypes, 10
-#                                       replays; the dry run checks in the interpreter instead
+#   extern_binding   35   25 s  [5-7 s] --quick: d=768, B*T=2048, 3 products x 2 dtypes, 10
+#                                       replays; the dry run checks in the interpreter instead;
+#                                       then bench.matmul_epilogue --quick: a fused GELU epilogue
+#                                       against cuBLAS + a kernel, 2 dtypes x 5 rounds [plans only]
 #   memory           20   10 s   [see RESULTS] eager, triton and cudagraph backward once a model
-#   training_gpt2    65   50 s   [see RESULTS] --budget 50: eager, then gpuautograd's modes
+#   training_gpt2    50   40 s   [see RESULTS] --budget 35: eager, then gpuautograd's modes
 #                                       (kernels compiled cold), then compiled autograd as the
 #                                       budget allows; what doesn't fit is a `skipped` row
 #   training_llama   55   40 s   [see RESULTS] --budget 40: eager and gpuautograd's modes at best
@@ -44,7 +46,7 @@
 # The training sizes compile minutes of kernels cold in every mode, so one shared job measures
 # eager and gpuautograd there at best. All five modes take a second job of their own:
 #   bash ci/gpu_check.sh --only training_gpt2,training_llama --limit-scale 4 OUT_DIR
-# (limits 260 s and 220 s, budgets scaled alike: 516 s worst case).
+# (limits 200 s and 220 s, budgets scaled alike: 456 s worst case).
 # The regression gate is a separate step: ci/bench_gate.sh.
 set -euo pipefail
 usage="usage: bash ci/gpu_check.sh [--cpu] [--limit-scale F] [--only a,b] [--list] [OUT_DIR]"
@@ -80,8 +82,8 @@ parity           35  15 - GPUAUTOGRAD_NATIVE=1 python -m pytest -q -p no:cachepr
 gpu_tier         75  55 - python -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml="$STEP_OUT/gpu_tests.xml"; rc=$?; if [ $rc -eq 5 ]; then echo "step-note: no test marked gpu was collected (pytest exit 5)"; rc=0; fi; exit $rc
 bench_quick      90  70 - python -m bench --quick --device "$GPU_CHECK_DEVICE" --out "$STEP_OUT"
 host_overhead    20  15 - python -m bench.host_overhead --device "$GPU_CHECK_DEVICE" --iters 40 --out "$STEP_OUT"
-extern_binding   20  15 - python -m bench.extern_binding --quick --rounds 10 --out "$STEP_OUT"
+extern_binding   35  25 - python -m bench.extern_binding --quick --rounds 10 --out "$STEP_OUT" && python -m bench.matmul_epilogue --quick --rounds 5 --out "$STEP_OUT"
 memory           20  10 - python -m bench.memory --device "$GPU_CHECK_DEVICE" --out "$STEP_OUT"
-training_gpt2    65  50 - python -m bench --size gpt2-small --device "$GPU_CHECK_DEVICE" --out "$STEP_OUT" --budget $((STEP_LIMIT_S - 15))
+training_gpt2    50  40 - python -m bench --size gpt2-small --device "$GPU_CHECK_DEVICE" --out "$STEP_OUT" --budget $((STEP_LIMIT_S - 15))
 training_llama   55  40 - python -m bench --size llama-1b --device "$GPU_CHECK_DEVICE" --out "$STEP_OUT" --budget $((STEP_LIMIT_S - 15))
 TABLE

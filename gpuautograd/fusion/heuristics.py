@@ -70,7 +70,7 @@ MIN_MATMUL_BLOCK = 16  # tl.dot's smallest tile
 # The cost model that chooses, per matmul, between the fused kernel and a library call plus the
 # generated kernel that reads its result back. Figures of the H200 (the GPU the project targets);
 # a generated matmul is assumed to reach TRITON_MATMUL_EFFICIENCY of the library's throughput
-# until a GPU run measures it (bench/extern_binding.py).
+# until a GPU run measures it (python -m bench.matmul_epilogue).
 H200_BANDWIDTH = 4.8e12  # bytes per second
 H200_FLOPS = {"float32": 60e12, "tf32": 400e12, "bfloat16": 800e12, "float16": 800e12}
 LAUNCH_SECONDS = 2e-6  # a kernel launch inside a CUDA graph, roughly

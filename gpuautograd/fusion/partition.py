@@ -174,6 +174,13 @@ def _effective_uses(analysis: Analysis, v: Value, outputs: set[str]) -> int:
     return n
 
 
+def _widening_cast(instr: Instr) -> bool:
+    """A cast to a wider type (bfloat16 to float32): each reader recomputes it from the narrow value,
+    which costs less to read than the wide one costs to store and read back."""
+    x = instr.inputs[0] if instr.inputs else None
+    return instr.op == "cast" and isinstance(x, Value) and instr.outputs[0].dtype.itemsize > x.dtype.itemsize
+
+
 def choose_realized(analysis: Analysis, decisions: list[str]) -> None:
     prog = analysis.program
     outputs = {v.name for v, _ in prog.outputs if v is not None}
@@ -202,7 +209,7 @@ def choose_realized(analysis: Analysis, decisions: list[str]) -> None:
                 continue
             if instr.op == "sum" and _space_of(analysis, o).reduced:
                 realize(o, "a reduction")
-            elif instr.op not in ("full", "arange") and _effective_uses(analysis, o, outputs) >= 2:
+            elif instr.op not in ("full", "arange") and not _widening_cast(instr) and _effective_uses(analysis, o, outputs) >= 2:
                 realize(o, "read by several instructions")
 
 

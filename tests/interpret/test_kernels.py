@@ -325,3 +325,33 @@ def test_an_opaque_node_between_kernels():
     theirs = torch.autograd.grad((Double.apply(x.sin() * w)).exp().sum(), (x, w))
     for a, b in zip(ours, theirs):
         assert_close(a, b)
+
+
+def test_a_widening_cast_read_several_times_is_recomputed_not_stored(monkeypatch):
+    """bfloat16 rules cast the incoming gradient to float32 and read it in several places; storing
+    the float32 copy would write and read back twice the bytes of recomputing it from the
+    bfloat16 value where it is read (issue 26)."""
+    from gpuautograd.fusion import partition
+
+    torch.manual_seed(0)
+    x = rand(64, 48, dtype=BF16)
+    w, b = rand(48, dtype=BF16), rand(48, dtype=BF16)
+    w1 = (torch.randn(48, 96, dtype=BF16) * 0.1).requires_grad_()
+
+    def fn(x, w, b, w1):
+        return F.layer_norm(F.layer_norm(x, (48,), w, b) @ w1, (96,)).sin()
+
+    out = fn(x, w, b, w1)
+    g = torch.randn_like(out)
+
+    def stored_casts(report):
+        program = report.program
+        producers = {o.name: i for i in program.instrs for o in i.outputs if o is not None}
+        names = [d.split(" lives in memory")[0] for d in report.decisions if "lives in memory: read by several" in d]
+        return [n for n in names if producers[n].op == "cast" and producers[n].outputs[0].dtype == torch.float32]
+
+    recomputed = gpuautograd.explain([out], [g], backend=BACKEND)
+    assert stored_casts(recomputed) == []
+    monkeypatch.setattr(partition, "_widening_cast", lambda instr: False)  # the rule of earlier versions
+    stored = gpuautograd.explain([out], [g], backend=BACKEND)
+    assert stored_casts(stored) and recomputed.bytes_moved < stored.bytes_moved

@@ -62,6 +62,20 @@ def no_kernel_fallback():
         yield
 
 
+def fail_launches_of(monkeypatch, kernel_name: str) -> None:
+    """Every launch of the generated kernel `kernel_name` raises, as a broken launch would."""
+    from gpuautograd.codegen import compile as kernel_compile
+
+    real_launch = kernel_compile.Launcher.launch
+
+    def launch(self, *args):
+        if self.ks.name == kernel_name:
+            raise RuntimeError("injected launch error")
+        return real_launch(self, *args)
+
+    monkeypatch.setattr(kernel_compile.Launcher, "launch", launch)
+
+
 def check_grads(fn, *inputs, grad_output=None, backend="reference", allow_opaque=False):
     """Run `fn(*inputs)` once, then take gradients of its output(s) with respect to every input
     that requires grad, with gpuautograd on `backend` (retaining the graph) and with torch.autograd.

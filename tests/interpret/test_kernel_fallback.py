@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import gpuautograd
 from gpuautograd.codegen import compile as kernel_compile
-from tests.helpers import assert_close, gpuautograd_reports
+from tests.helpers import assert_close, fail_launches_of, gpuautograd_reports
 
 
 def _model():
@@ -42,14 +42,7 @@ def test_a_failing_kernel_falls_back_to_reference_ops_with_one_report(monkeypatc
 
         monkeypatch.setattr(kernel_compile, "launchable", launchable)
     else:
-        real_launch = kernel_compile.Launcher.launch
-
-        def launch(self, *args):
-            if self.ks.name == broken:
-                raise RuntimeError("injected launch error")
-            return real_launch(self, *args)
-
-        monkeypatch.setattr(kernel_compile.Launcher, "launch", launch)
+        fail_launches_of(monkeypatch, broken)
 
     params, loss_fn = _model()
     assert broken in [k.name for k in gpuautograd.explain(loss_fn(), backend="interpret").kernels]

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import gpuautograd
-from gpuautograd.codegen import compile as kernel_compile
 from gpuautograd.fusion import heuristics as H
-from tests.helpers import assert_close, check_grads, rand
+from tests.helpers import assert_close, check_grads, fail_launches_of, rand
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
@@ -134,14 +133,7 @@ def test_a_failing_kernel_on_either_side_falls_back_to_the_right_sums(monkeypatc
     finisher = finishers(report)[0].name
     host = next(k.name for k in report.kernels if k.name != finisher and "tl.program_id(0) * 40 + cindex" in k.source)
     broken = host if side == "host" else finisher
-    real_launch = kernel_compile.Launcher.launch
-
-    def launch(self, *args):
-        if self.ks.name == broken:
-            raise RuntimeError("injected launch error")
-        return real_launch(self, *args)
-
-    monkeypatch.setattr(kernel_compile.Launcher, "launch", launch)
+    fail_launches_of(monkeypatch, broken)
     expected = torch.autograd.grad(out, [x, w, b], g, retain_graph=True)
     with pytest.warns(RuntimeWarning, match=f"kernel {broken} .*injected launch error"):
         ours = gpuautograd.grad([out], [x, w, b], [g], backend="interpret")

@@ -515,7 +515,8 @@ class Emitter:
         if not partial_sum_fits(self.space, instr):
             raise NotFusible(f"{column_sum.name} does not sum over this kernel's rows")
         self.instrs.add(self.a.position[id(instr)])
-        body = self.value(instr.inputs[0], self.space_index())
+        x = instr.inputs[0]
+        body = self.value(x, ix.reshape_index(self.space_index(), self.space.shape, x.shape))
         acc = TL_DTYPES[buffer.dtype]
         return self.tmp(f"tl.reduce(tl.where(rmask & cmask, {body}, 0).to({acc}), 0, tl.standard._sum_combine, keep_dims=True)")
 
@@ -667,12 +668,15 @@ def partial_sum_fits(space: Space, instr) -> bool:
     the space's shape over the rows each program holds (a matmul tile's rows, or a row-persistent
     reduction's kept dims) and keeps the columns."""
     x = instr.inputs[0]
-    if instr.op != "sum" or tuple(x.shape) != space.shape:
+    if instr.op != "sum":
         return False
     dims = tuple(sorted(d % x.ndim for d in instr.attrs["dims"]))
-    if space.contract:
-        return dims == (0,)
-    return bool(space.reduced) and dims == space.kept and not space.column_reduction and space.fits_a_block
+    if space.contract:  # the tile's rows: every dim but the last of a value viewed as M x N
+        m, n = space.shape
+        return x.type.numel() == m * n and x.ndim >= 2 and x.shape[-1] == n and dims == tuple(range(x.ndim - 1))
+    return (
+        tuple(x.shape) == space.shape and bool(space.reduced) and dims == space.kept and not space.column_reduction and space.fits_a_block
+    )
 
 
 def finish_partials(partials: tuple, name: str, interpret: bool, instrs: list[int], outs: tuple) -> KernelSource:

@@ -110,6 +110,19 @@ def test_a_bias_gradient_is_added_up_in_the_matmul_epilogue(dtype):
     check_grads(linear_gelu, x, w1, b1, w2, backend="interpret")
 
 
+def test_a_bias_over_a_3d_input_is_added_up_in_the_matmul_epilogue():
+    """The product is (B*T) x N, the bias gradient sums a (B, T, N) view of it over (B, T): the
+    tile's rows all the same."""
+    x = rand(3, 100, 24, dtype=F32)
+    w1 = (rand(24, 40, dtype=F32, requires_grad=False) * 24**-0.5).requires_grad_()
+    b1 = rand(40, dtype=F32)
+    w2 = (rand(40, 16, dtype=F32, requires_grad=False) * 40**-0.5).requires_grad_()
+    out = linear_gelu(x, w1, b1, w2)
+    report = gpuautograd.explain([out], [torch.randn_like(out)], backend="interpret")
+    assert finishers(report) and any(k.space.startswith("matmul[") and "keep_dims=True" in k.source for k in report.kernels), report.plan
+    check_grads(linear_gelu, x, w1, b1, w2, backend="interpret")
+
+
 def test_the_split_moves_fewer_bytes_and_no_more_launches(monkeypatch):
     x, w, b = rand(64, 33, 48, dtype=F32), rand(48, dtype=F32), rand(48, dtype=F32)
     out = layer_norm(x, w, b)

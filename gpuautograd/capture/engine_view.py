@@ -52,26 +52,29 @@ class GraphView:
         return self._reachable
 
     def needed(self) -> set:
-        """Nodes whose exec_info says they run when there are inputs: on a path to one of them."""
+        """Nodes whose exec_info says they run when there are inputs: on a path to one of them.
+        Walked without recursion (a deep graph would pass Python's limit): forward from the roots
+        to collect each node's predecessors, then backward from the targets."""
         if self._needed is None:
-            targets = set(self.targets or ())
-            memo: dict = {}
-
-            def reaches(fn) -> bool:
-                hit = memo.get(fn)
-                if hit is not None:
-                    return hit
-                memo[fn] = False  # the graph is acyclic; this only stops a revisit
-                result = fn in targets
+            predecessors: dict = {}
+            seen, stack = set(self.roots), list(self.roots)
+            while stack:
+                fn = stack.pop()
                 for nxt, _ in fn.next_functions:
-                    if nxt is not None and reaches(nxt):
-                        result = True
-                memo[fn] = result
-                return result
-
-            for root in self.roots:
-                reaches(root)
-            self._needed = {fn for fn, hit in memo.items() if hit}
+                    if nxt is None:
+                        continue
+                    predecessors.setdefault(nxt, []).append(fn)
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        stack.append(nxt)
+            needed = {fn for fn in self.targets or () if fn in seen}
+            stack = list(needed)
+            while stack:
+                for pred in predecessors.get(stack.pop(), ()):
+                    if pred not in needed:
+                        needed.add(pred)
+                        stack.append(pred)
+            self._needed = needed
         return self._needed
 
     def will_execute(self, fn) -> bool:

@@ -189,3 +189,22 @@ def test_a_hooked_node_given_only_undefined_gradients_runs_eagerly_and_its_hook_
     eager, ours, fallbacks = run_eager_then_ours(body)
     assert ours == eager == [None]
     assert any("would receive only undefined gradients" in reason for reason in fallbacks), fallbacks
+
+
+def test_a_deep_graph_is_answered_without_recursion():
+    """Thousands of nodes in a chain, under backward(inputs=): the view walks them iteratively."""
+
+    def body():
+        a = torch.randn(3, requires_grad=True)
+        h = a
+        for _ in range(3000):
+            h = h * 1.0001
+        acc = grad_fn_of(a)
+        seen = []
+        h.register_hook(lambda g: seen.append(torch._C._will_engine_execute_node(acc)))
+        torch.autograd.backward(h.sum(), inputs=(a,))
+        return seen
+
+    eager, ours, fallbacks = run_eager_then_ours(body)
+    assert ours == eager == [True]
+    assert not fallbacks

@@ -501,7 +501,7 @@ class Emitter:
     def partial_rows(self) -> str:
         """Which block of rows this program holds: the row of its partial sums."""
         if self.space.contract:
-            return f"(pid // {-(-self.space.shape[1] // self.blocks[1])})"
+            return f"(pid // {self._column_tiles()})"
         return "tl.program_id(0)"
 
     def partial_offset(self) -> ix.Ix:
@@ -594,7 +594,7 @@ class Emitter:
         pid = "tl.program_id(0)" if index_ty is None else f"tl.program_id(0).to({index_ty})"
         if sp.contract:
             bm, bn, bk = self.blocks
-            grid_n = -(-sp.shape[1] // bn)
+            grid_n = self._column_tiles()
             head = [
                 f"pid = {pid}",
                 f"rindex = (pid // {grid_n}) * RBLOCK + tl.arange(0, RBLOCK)[:, None]",
@@ -629,6 +629,10 @@ class Emitter:
             rblock = min(H.next_pow2(sp.rows), H.INTERPRET_LOOP_ROWS if self.interpret else H.GPU_LOOP_ROWS)
         head = [f"rindex = {pid} * RBLOCK + tl.arange(0, RBLOCK)[:, None]", f"rmask = rindex < {sp.rows}"]
         return head, {"RBLOCK": rblock, "CBLOCK": cblock, "COLS": sp.cols}, (-(-sp.rows // rblock),), H.num_warps(rblock * cblock)
+
+    def _column_tiles(self) -> int:
+        """A matmul space's tiles along N: program `pid` holds row tile pid // this."""
+        return -(-self.space.shape[1] // self.blocks[1])
 
     def _header(self, stores, rd: int, wr: int) -> list[str]:
         prog = self.a.program

@@ -78,10 +78,8 @@ TRITON_MATMUL_EFFICIENCY = 0.8
 
 
 def matmul_blocks(m: int, n: int, k: int, interpret: bool) -> tuple[int, int, int]:
-    if interpret:
-        cap = INTERPRET_MATMUL_BLOCK
-        return tuple(max(MIN_MATMUL_BLOCK, min(next_pow2(x), cap)) for x in (m, n, k))
-    return tuple(max(MIN_MATMUL_BLOCK, min(next_pow2(x), b)) for x, b in zip((m, n, k), GPU_MATMUL_BLOCKS))
+    caps = (INTERPRET_MATMUL_BLOCK,) * 3 if interpret else GPU_MATMUL_BLOCKS
+    return tuple(max(MIN_MATMUL_BLOCK, min(next_pow2(x), cap)) for x, cap in zip((m, n, k), caps))
 
 
 def epilogue_pays(flops: float, dtype_name: str, before: tuple[int, int, int], after: tuple[int, int, int]) -> bool:

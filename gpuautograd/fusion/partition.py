@@ -332,9 +332,8 @@ def _epilogue(analysis, merged: list[Kernel], libraries: list[Library], lib: Lib
     if remaining is not None and {v.name for v in fused.source.loads} & {v.name for v in rest}:
         return "the epilogue reads a reduction of the kernel it came from"
     lib_bytes = sum(v.type.numel() * v.dtype.itemsize for v in (a, b, y))
-    consumer_bytes = consumer.source.bytes_read + consumer.source.bytes_written
-    fused_bytes = fused.source.bytes_read + fused.source.bytes_written
-    rest_bytes = 0 if remaining is None else remaining.source.bytes_read + remaining.source.bytes_written
+    consumer_bytes, fused_bytes = _bytes(consumer), _bytes(fused)
+    rest_bytes = 0 if remaining is None else _bytes(remaining)
     if fused_bytes + rest_bytes >= lib_bytes + consumer_bytes:
         return f"moves no fewer bytes ({fused_bytes + rest_bytes} against {lib_bytes + consumer_bytes})"
     before = (lib_bytes, consumer_bytes, 2)
@@ -392,9 +391,7 @@ def _split(analysis, merged: list[Kernel], libraries: list[Library], kern: Kerne
     if the steps still form no cycle."""
     steps = merged + libraries
     writer = {name: step for step in steps for name in _step_writes(step)}
-    succ: dict[int, list] = {}
-    for w, t in (*_data_edges(analysis, steps), *_effect_edges(libraries)):
-        succ.setdefault(id(w), []).append(t)
+    succ = _successors(analysis, steps, libraries)
     own = {m.name for m in kern.members}
     chosen: dict[int, list] = {}  # id(host) -> [host, its trial, partial pairs, joined members]
     sums = [m for m in kern.members if _is_space_sum(analysis, m)]
@@ -474,18 +471,6 @@ def _bytes(kernel: Kernel) -> int:
     return kernel.source.bytes_read + kernel.source.bytes_written
 
 
-def _reaches(succ: dict, src, dst) -> bool:
-    stack, seen = list(succ.get(id(src), [])), set()
-    while stack:
-        step = stack.pop()
-        if step is dst:
-            return True
-        if id(step) not in seen:
-            seen.add(id(step))
-            stack.extend(succ.get(id(step), []))
-    return False
-
-
 def _is_space_sum(analysis, v: Value) -> bool:
     instr = analysis.producer.get(v.name)
     return instr is not None and instr.op == "sum" and bool(_space_of(analysis, v).reduced)
@@ -515,8 +500,8 @@ def _emit(analysis, kernel: Kernel, stores, name: str, interpret: bool) -> Kerne
     members need its sums takes the row-persistent form, when a row fits in one block."""
     sp = kernel.space
     if kernel.finisher:
-        finished = [s for _, s in kernel.partials] + [m for m in kernel.members if m not in [s for _, s in kernel.partials]]
-        instrs = sorted(analysis.position[id(analysis.producer[v.name])] for v in finished)
+        finished = {s.name for _, s in kernel.partials} | {m.name for m in kernel.members}  # the sums, and casts of them
+        instrs = sorted(analysis.position[id(analysis.producer[name])] for name in finished)
         return finish_partials(tuple(kernel.partials), name, interpret, instrs, tuple(kernel.members))
     partials = tuple(kernel.partials)
     if kernel.matmul is not None:
@@ -566,24 +551,31 @@ def _effect_edges(libraries: list):
 def _path_between(analysis, kernels, libraries, a: Kernel, b: Kernel) -> bool:
     """Is there a path a -> other steps -> b, or b -> other steps -> a?"""
     steps = [s for s in kernels if s is not a and s is not b] + libraries + [a, b]
+    succ = _successors(analysis, steps, libraries)
+    return _reaches(succ, a, b, through_others=True) or _reaches(succ, b, a, through_others=True)
+
+
+def _successors(analysis, steps: list, libraries: list) -> dict[int, list]:
+    """id(step) -> the steps that must follow it: those reading what it writes, and the next
+    step with effects."""
     succ: dict[int, list] = {}
-    for w, s in (*_data_edges(analysis, steps), *_effect_edges(libraries)):
-        succ.setdefault(id(w), []).append(s)
+    for w, t in (*_data_edges(analysis, steps), *_effect_edges(libraries)):
+        succ.setdefault(id(w), []).append(t)
+    return succ
 
-    def reaches(src, dst) -> bool:
-        stack = [t for t in succ.get(id(src), []) if t is not dst]
-        seen = set()
-        while stack:
-            s = stack.pop()
-            if id(s) in seen:
-                continue
-            seen.add(id(s))
-            if any(t is dst for t in succ.get(id(s), [])):
-                return True
-            stack.extend(succ.get(id(s), []))
-        return False
 
-    return reaches(a, b) or reaches(b, a)
+def _reaches(succ: dict, src, dst, through_others: bool = False) -> bool:
+    """Is there a path src -> ... -> dst (with `through_others`, one through at least one other step)?"""
+    stack = [t for t in succ.get(id(src), []) if not (through_others and t is dst)]
+    seen: set[int] = set()
+    while stack:
+        step = stack.pop()
+        if step is dst:
+            return True
+        if id(step) not in seen:
+            seen.add(id(step))
+            stack.extend(succ.get(id(step), []))
+    return False
 
 
 def _schedule(analysis: Analysis, kernels: list[Kernel], libraries: list[Library]) -> list:

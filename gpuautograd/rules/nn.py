@@ -7,6 +7,8 @@ argmax positions, plain IR that fuses, so it needs no library call.
 
 from __future__ import annotations
 
+import math
+
 from ..ir import composite_ops as composite
 from ..ir.extern_ops import emit_optional  # the import also registers the extern ops used here
 from .registry import register
@@ -138,9 +140,7 @@ def _route_to_argmax(b, grad, indices, input_type, window: tuple[int, ...]):
     def per_element(x):
         return b.reshape(b.expand(b.reshape(x, split), spread), input_type.shape)
 
-    plane = 1
-    for n in input_type.shape[-spatial:]:
-        plane *= n
+    plane = math.prod(input_type.shape[-spatial:])
     position = b.reshape(b.emit("arange", length=plane, dtype=indices.dtype, device=indices.device), input_type.shape[-spatial:])
     hit = b.eq(per_element(indices), b.expand(position, input_type.shape))
     return b.where(hit, per_element(grad), 0.0)

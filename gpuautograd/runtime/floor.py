@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fusion.indexing import span_elements
 from ..ir.program import Program
 
 
@@ -14,10 +15,7 @@ def footprint(t: torch.Tensor) -> int:
     """The bytes a tensor's elements occupy: an expanded (stride-0) tensor is charged at the size it
     really has in memory, not at its expanded size; a strided view (a slice of a wider buffer) at
     its elements' size, not at the span between its first and last."""
-    if t.numel() == 0:
-        return 0
-    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-    return min(span, t.numel()) * t.element_size()
+    return min(span_elements(t.shape, t.stride()), t.numel()) * t.element_size()
 
 
 def compulsory_bytes(program: Program, arguments: list) -> int:

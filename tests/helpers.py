@@ -62,6 +62,14 @@ def no_kernel_fallback():
         yield
 
 
+def float64_error(fn, inputs, grad, grads) -> float:
+    """The largest error of `grads` (of `inputs` through `fn`, given `grad`) against the float64
+    gradients, each relative to its largest value: for comparing a half-type plan with eager."""
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    truth = torch.autograd.grad(fn(*wide), wide, grad.double())
+    return max(((a.double() - t).abs().max() / t.abs().max()).item() for a, t in zip(grads, truth))
+
+
 def fail_launches_of(monkeypatch, kernel_name: str) -> None:
     """Every launch of the generated kernel `kernel_name` raises, as a broken launch would."""
     from gpuautograd.codegen import compile as kernel_compile

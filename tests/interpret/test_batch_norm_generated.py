@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import check_grads, rand
+from tests.helpers import check_grads, float64_error, rand
 
 pytestmark = pytest.mark.filterwarnings("ignore:.* encountered in:RuntimeWarning")
 
@@ -59,16 +59,12 @@ def test_bfloat16_is_as_accurate_as_eager(training):
     inputs = [x, w, b]
     out = fn(*inputs)
     g = torch.randn_like(out)
-    wide = [t.detach().double().requires_grad_() for t in inputs]
-    truth = torch.autograd.grad(batch_norm_fn(mean.double(), var.double(), training)(*wide), wide, g.double())
-
-    def error(grads):
-        return max(((a.double() - t).abs().max() / t.abs().max()).item() for a, t in zip(grads, truth))
-
     eager = torch.autograd.grad(out, inputs, g, retain_graph=True)
     ours = gpuautograd.grad([out], inputs, [g], backend="interpret")
+    wide_fn = batch_norm_fn(mean.double(), var.double(), training)
+    error_ours, error_eager = (float64_error(wide_fn, inputs, g, grads) for grads in (ours, eager))
     # the interpreter rounds float32 to bfloat16 toward zero (README, Limitations): up to twice eager's error
-    assert error(ours) <= 2.5 * error(eager) + 1e-6, (error(ours), error(eager))
+    assert error_ours <= 2.5 * error_eager + 1e-6, (error_ours, error_eager)
 
 
 def test_the_generated_backward_reads_and_writes_each_tensor_once():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import gpuautograd
 from gpuautograd.fusion import heuristics as H
-from tests.helpers import assert_close, check_grads, fail_launches_of, rand
+from tests.helpers import assert_close, check_grads, fail_launches_of, float64_error, rand
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
@@ -36,13 +36,6 @@ def finishers(report):
 
 
 SHAPES = [(3, 37, 29), (600, 50)]  # the second spans several programs
-
-
-def float64_error(fn, inputs, grad, ours) -> float:
-    """The largest error of `ours` against the float64 gradients, relative to each one's largest value."""
-    wide = [t.detach().double().requires_grad_() for t in inputs]
-    truth = torch.autograd.grad(fn(*wide), wide, grad.double())
-    return max(((a.double() - t).abs().max() / t.abs().max()).item() for a, t in zip(ours, truth))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

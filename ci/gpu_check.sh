@@ -25,7 +25,7 @@
 #                                       compiler job, so 16 cores don't help; parity would build
 #                                       it again if this step timed out
 #   parity           35   15 s  [19-25 s] CPU-bound walker tests; importing torch is a good part
-#   gpu_tier         75   55 s   [4-5 s] 89 tests (the suite's 10 models per backend, cuDNN's RNN
+#   gpu_tier         75   55 s   [4-5 s] 93 tests (the suite's 10 models per backend, cuDNN's RNN
 #                                       and CTC, ...), compiling Triton kernels cold (about 1 s a
 #                                       kernel); the dry run only collects and skips them
 #   bench_quick      90   70 s [31-64 s] compiled autograd's cold Dynamo+Inductor compile dominates,

@@ -143,6 +143,7 @@ class Emitter:
         looped: bool = False,
         matmul=None,
         partials: tuple = (),
+        extra_matmuls: tuple = (),
     ):
         self.a = analysis
         self.space = space
@@ -161,6 +162,10 @@ class Emitter:
         self.looped = looped  # reductions walk the columns in a loop instead of holding whole rows
         self.sum_values: dict[str, str] = {}
         self.matmul = matmul  # the mm instruction of a matmul space
+        # other mms of the same M x N whose tiles the epilogue reads (a sum of products): each gets
+        # a K loop of its own instead of a load of its stored product
+        self.extra_matmuls = extra_matmuls
+        self.naccs = 0
         self.partials = partials  # ((partial buffer, column sum), ...) whose partials this kernel stores
         self.blocks = H.matmul_blocks(space.shape[0], space.shape[1], space.contract, interpret) if matmul is not None else None
         self.int64 = self._needs_int64()
@@ -250,7 +255,7 @@ class Emitter:
     def _value(self, v: Value, index, linear_code: str) -> str:
         instr = self.a.producer.get(v.name)
         computed_here = v.name in self.members
-        if self.matmul is not None and instr is self.matmul:
+        if self.matmul is not None and (instr is self.matmul or any(instr is mm for mm in self.extra_matmuls)):
             canon = self.canonical(v)
             if canon is None or ix.ravel(canon, v.shape).code != linear_code:
                 raise NotFusible(f"{v.name} = mm is read at another index than its tile")
@@ -384,27 +389,32 @@ class Emitter:
         widen = self.interpret and compute_dtype(v.dtype) != v.dtype
         operand_ty = "tl.float32" if widen else ty
         precision = ', input_precision="ieee"' if v.dtype == torch.float32 or widen else ""
-        self.lines.append("acc = tl.full([RBLOCK, CBLOCK], 0, tl.float32)")  # tl.zeros is a jit function the interpreter cannot call here
-        self.lines.append(f"for k0 in range(0, {self.space.contract}, KBLOCK):")
+        acc = f"acc{self.naccs}" if self.naccs else "acc"  # one accumulator per product
+        self.naccs += 1
+        k = a.shape[1]  # the K of this product (a sum of products may have several)
+        # tl.zeros is a jit function the interpreter cannot call here
+        self.lines.append(f"{acc} = tl.full([RBLOCK, CBLOCK], 0, tl.float32)")
+        self.lines.append(f"for k0 in range(0, {k}, KBLOCK):")
         outer_lines, outer_memo = self.lines, self.memo
         self.lines, self.memo, self.in_loop = [], {}, True
         self.lines.append("kcol = k0 + tl.arange(0, KBLOCK)[None, :]")
-        self.lines.append(f"kcmask = kcol < {self.space.contract}")
+        self.lines.append(f"kcmask = kcol < {k}")
         self.lines.append("krow = k0 + tl.arange(0, KBLOCK)[:, None]")
-        self.lines.append(f"krmask = krow < {self.space.contract}")
-        k = self.space.contract
+        self.lines.append(f"krmask = krow < {k}")
         lhs = self.value(a, [ix.var("rindex", a.shape[0]), ix.var("kcol", k)])
         rhs = self.value(b, [ix.var("krow", k), ix.var("cindex", b.shape[1])])
-        lhs = self.tmp(f"tl.where(rmask & kcmask, {lhs}, 0).to({operand_ty})")
-        rhs = self.tmp(f"tl.where(krmask & cmask, {rhs}, 0).to({operand_ty})")
-        self.lines.append(f"acc += tl.dot({lhs}, {rhs}{precision}, out_dtype=tl.float32)")
+        # an operand computed here (a prologue) is rounded to its dtype, as storing it would
+        rounded = f".to({ty}).to(tl.float32)" if widen else f".to({operand_ty})"
+        lhs = self.tmp(f"tl.where(rmask & kcmask, {lhs}, 0){rounded}")
+        rhs = self.tmp(f"tl.where(krmask & cmask, {rhs}, 0){rounded}")
+        self.lines.append(f"{acc} += tl.dot({lhs}, {rhs}{precision}, out_dtype=tl.float32)")
         inner = self.lines
         self.lines, self.memo, self.in_loop = outer_lines, outer_memo, False
         self.lines.extend("    " + line for line in inner)
         # consumers read the product as torch stores it: rounded to a half type first
         if compute_dtype(v.dtype) != v.dtype:
-            return self.tmp(f"acc.to({ty}).to(tl.float32)")
-        return self.tmp(f"acc.to({TL_DTYPES[compute_dtype(v.dtype)]})")
+            return self.tmp(f"{acc}.to({ty}).to(tl.float32)")
+        return self.tmp(f"{acc}.to({TL_DTYPES[compute_dtype(v.dtype)]})")
 
     def cast_to(self, expr: str, x: Value, v: Value) -> str:
         if compute_dtype(x.dtype) == compute_dtype(v.dtype):
@@ -669,18 +679,21 @@ def one_hot_scatter(instr) -> bool:
 
 def partial_sum_fits(space: Space, instr) -> bool:
     """A sum that a kernel over `space` can split into per-program partials: it adds up a value of
-    the space's shape over the rows each program holds (a matmul tile's rows, or a row-persistent
-    reduction's kept dims) and keeps the columns."""
+    the space's size over its leading dims, which hold the space's rows (a matmul tile's rows, or
+    a row-persistent reduction's kept dims, with the reduced dims last), and keeps the columns.
+    The value may be shaped otherwise ([512, 768] in a [2, 256, 768] space): row-major order is
+    the same."""
     x = instr.inputs[0]
     if instr.op != "sum":
         return False
     dims = tuple(sorted(d % x.ndim for d in instr.attrs["dims"]))
-    if space.contract:  # the tile's rows: every dim but the last of a value viewed as M x N
-        m, n = space.shape
-        return x.type.numel() == m * n and x.ndim >= 2 and x.shape[-1] == n and dims == tuple(range(x.ndim - 1))
-    return (
-        tuple(x.shape) == space.shape and bool(space.reduced) and dims == space.kept and not space.column_reduction and space.fits_a_block
-    )
+    if not dims or x.type.numel() != space.numel or dims != tuple(range(len(dims))):
+        return False
+    summed = _prod(x.shape[d] for d in dims)
+    if space.contract:
+        return summed == space.shape[0]
+    trailing = tuple(range(len(space.shape) - len(space.reduced), len(space.shape)))
+    return bool(space.reduced) and space.reduced == trailing and summed == space.rows and space.fits_a_block
 
 
 def finish_partials(partials: tuple, name: str, interpret: bool, instrs: list[int], outs: tuple) -> KernelSource:

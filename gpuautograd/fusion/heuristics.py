@@ -32,6 +32,12 @@ INTERPRET_COLUMN_ROWS = 256
 # read of every row. False: such sums stay in their own column-sum kernel.
 PARTIAL_COLUMN_SUMS = True
 
+# A value several instructions read is recomputed by each reader instead of stored when it takes at
+# most this many instructions to compute from stored values, and those values together hold at
+# most RECOMPUTE_MAX_READ times its bytes (a layer norm's normalized input: x and two per-row stats).
+RECOMPUTE_MAX_OPS = 8
+RECOMPUTE_MAX_READ = 1.25
+
 # How far back the planner looks for a kernel to merge with (bounds the first-call cost).
 MERGE_WINDOW = 24
 

@@ -18,6 +18,7 @@ Every decision not to fuse is kept with its reason (`GPUAUTOGRAD_DEBUG=3` prints
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,8 @@ class Analysis:
                     self.users.setdefault(x.name, []).append(k)
         self.input_strides = input_strides
         self.realized: set[str] = set()
+        self.library_matmuls: frozenset[int] = frozenset()  # mms kept as library calls whatever their operands
+        self.generated_matmuls: set[int] = set()  # mms generated to compute an operand as they load it
 
     def is_output(self, v: Value) -> bool:
         return any(o is not None and self.base(o).name == v.name for o, _ in self.program.outputs)
@@ -133,6 +136,9 @@ class Kernel:
     # when `finisher`, adds them up into the column sums (its members)
     partials: list = field(default_factory=list)
     finisher: bool = False
+    # other mms of the same M x N whose products the matmul kernel's epilogue reads: it computes
+    # their tiles too (a sum of products) instead of loading them
+    extra_matmuls: tuple = ()
 
 
 @dataclass
@@ -174,11 +180,26 @@ def _effective_uses(analysis: Analysis, v: Value, outputs: set[str]) -> int:
     return n
 
 
-def _widening_cast(instr: Instr) -> bool:
-    """A cast to a wider type (bfloat16 to float32): each reader recomputes it from the narrow value,
-    which costs less to read than the wide one costs to store and read back."""
-    x = instr.inputs[0] if instr.inputs else None
-    return instr.op == "cast" and isinstance(x, Value) and instr.outputs[0].dtype.itemsize > x.dtype.itemsize
+def _recomputes_cheaply(analysis: Analysis, v: Value) -> bool:
+    """Can every reader of `v` compute it from what it reads, for no more bytes than loading it?
+    A normalized input ((x - mean) * rstd) or a gradient scaled by a weight reads one tensor of its
+    size and a few small ones, and a widening cast (bfloat16 to float32) reads half its bytes:
+    stored, it costs a write and a read per reader; recomputed, the readers (usually one kernel by
+    now) load what they would load anyway."""
+    ops, leaves = 0, {}
+    stack = [v]
+    while stack:
+        u = stack.pop()
+        instr = analysis.producer.get(u.name)
+        if u is not v and (instr is None or not analysis.fusible(instr) or u.name in analysis.realized or _is_space_sum(analysis, u)):
+            leaves[u.name] = analysis.read_bytes(u)
+            continue
+        if instr.op not in VIEW_LAYOUT:
+            ops += 1
+            if ops > H.RECOMPUTE_MAX_OPS:
+                return False
+        stack.extend(x for x in instr.inputs if isinstance(x, Value))
+    return sum(leaves.values()) <= H.RECOMPUTE_MAX_READ * v.type.numel() * v.dtype.itemsize
 
 
 def choose_realized(analysis: Analysis, decisions: list[str]) -> None:
@@ -196,11 +217,17 @@ def choose_realized(analysis: Analysis, decisions: list[str]) -> None:
     for v, _ in prog.outputs:
         if v is not None:
             realize(analysis.base(v), "a gradient the program returns")
+    prologues: dict[int, list[Value]] = {}  # mm position -> the operands it would compute on load
     for k, instr in enumerate(prog.instrs):
         if analysis.reasons[k] is not None:
             for x in instr.inputs:
-                if isinstance(x, Value):
-                    realize(analysis.base(x), f"input of the library call {instr.op} ({analysis.reasons[k]})")
+                if not isinstance(x, Value):
+                    continue
+                base = analysis.base(x)
+                if k not in analysis.library_matmuls and _prologue_pays(analysis, instr, base):
+                    prologues.setdefault(k, []).append(base)
+                else:
+                    realize(base, f"input of the library call {instr.op} ({analysis.reasons[k]})")
             continue
         if instr.op in VIEW_LAYOUT:
             continue
@@ -209,12 +236,43 @@ def choose_realized(analysis: Analysis, decisions: list[str]) -> None:
                 continue
             if instr.op == "sum" and _space_of(analysis, o).reduced:
                 realize(o, "a reduction")
-            elif instr.op not in ("full", "arange") and not _widening_cast(instr) and _effective_uses(analysis, o, outputs) >= 2:
-                realize(o, "read by several instructions")
+            elif instr.op not in ("full", "arange") and _effective_uses(analysis, o, outputs) >= 2:
+                if _recomputes_cheaply(analysis, o):
+                    decisions.append(f"{o.name} is recomputed where it is read: it costs no more to read what it is computed from")
+                else:
+                    realize(o, "read by several instructions")
+    for k, operands in prologues.items():
+        computed = [x.name for x in operands if x.name not in realized]
+        if computed:  # else another step stores them anyway: the library call reads them
+            analysis.generated_matmuls.add(k)
+            decisions.append(f"{format_instr(prog.instrs[k])}: generated, computing {', '.join(computed)} as it loads it (a prologue)")
 
 
-def plan_fusion(program: Program, input_strides: dict[str, tuple[int, ...]], interpret: bool) -> FusionPlan:
+def _prologue_pays(analysis: Analysis, instr: Instr, x: Value) -> bool:
+    """Should the mm `instr` compute its operand `x` as it loads it instead of reading it stored?
+    Where `x` is cheap to recompute, and the cost model estimates a generated matmul that skips
+    storing `x` faster than the library call (with "always", wherever it is cheap)."""
+    producer = analysis.producer.get(x.name)
+    if H.MATMUL_EPILOGUES == "never" or instr.op != "mm" or generated_matmul_reason(instr) is not None:
+        return False
+    if producer is None or not analysis.fusible(producer) or x.name in analysis.realized or not _recomputes_cheaply(analysis, x):
+        return False
+    if H.MATMUL_EPILOGUES == "always":
+        return True
+    a, b = instr.inputs
+    y = instr.outputs[0]
+    lib_bytes = sum(v.type.numel() * v.dtype.itemsize for v in (a, b, y))
+    stored = x.type.numel() * x.dtype.itemsize  # written by a kernel, read back by the library call
+    flops = 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    return H.epilogue_pays(flops, str(y.dtype).removeprefix("torch."), (lib_bytes, stored, 1), (lib_bytes, 0, 1))
+
+
+def plan_fusion(
+    program: Program, input_strides: dict[str, tuple[int, ...]], interpret: bool, library_matmuls: frozenset[int] = frozenset()
+) -> FusionPlan:
+    """`library_matmuls`: positions of mms that stay library calls (a prologue that failed to generate)."""
     analysis = Analysis(program, input_strides)
+    analysis.library_matmuls = library_matmuls
     decisions: list[str] = []
     for k, reason in analysis.reasons.items():
         if reason is not None:
@@ -227,31 +285,54 @@ def plan_fusion(program: Program, input_strides: dict[str, tuple[int, ...]], int
             for o in instr.outputs:
                 if o is not None and o.name in analysis.realized:
                     kernels.append(Kernel(_space_of(analysis, o), [o], k))
-    libraries = [Library(instr, k) for k, instr in enumerate(program.instrs) if analysis.reasons[k] is not None]
+    calls = [k for k in range(len(program.instrs)) if analysis.reasons[k] is not None and k not in analysis.generated_matmuls]
+    libraries = [Library(program.instrs[k], k) for k in calls]
 
     names = iter(range(1 << 30))
     for kernel in kernels:
         kernel.source = _emit(analysis, kernel, None, f"k{next(names)}", interpret)
+    generated = []  # matmuls computing an operand on load: steps of their own while kernels merge
+    for k in sorted(analysis.generated_matmuls):
+        kernel = _matmul_kernel(analysis, program.instrs[k], k, interpret)
+        if isinstance(kernel, str):
+            plan = plan_fusion(program, input_strides, interpret, library_matmuls | {k})
+            plan.decisions.append(f"{format_instr(program.instrs[k])}: stays a library call, its prologue failed: {kernel}")
+            return plan
+        generated.append(kernel)
 
     # Greedy, in program order; a later pass retries pairs whose spaces only became compatible
     # after other merges (a per-row value and the reduction that now owns its rows).
+    fixed = libraries + generated  # steps no kernel merges into
     merged: list[Kernel] = []
     for kernel in kernels:
-        if not _merge_into_earlier(analysis, merged, libraries, kernel, decisions, interpret):
+        if not _merge_into_earlier(analysis, merged, fixed, kernel, decisions, interpret):
             merged.append(kernel)
     for _ in range(2):
         before = len(merged)
         for kernel in list(merged):
-            if kernel in merged and _merge_into_earlier(analysis, merged, libraries, kernel, None, interpret):
+            if kernel in merged and _merge_into_earlier(analysis, merged, fixed, kernel, None, interpret):
                 merged.remove(kernel)
         if len(merged) == before:
             break
+    merged += generated
 
-    _fuse_epilogues(analysis, merged, libraries, decisions, interpret)
-    _split_column_sums(analysis, merged, libraries, decisions, interpret)
+    ids = iter(range(_max_value_id(program) + 1, 1 << 62))  # names of the partial-sum buffers
+    _fuse_epilogues(analysis, merged, libraries, decisions, interpret, ids)
+    _split_column_sums(analysis, merged, libraries, decisions, interpret, ids)
     steps = _schedule(analysis, merged, libraries)
     _finalize(analysis, steps, interpret)
     return FusionPlan(program, analysis, steps, decisions)
+
+
+def _matmul_kernel(analysis, instr: Instr, position: int, interpret: bool):
+    """The generated kernel of an mm that computes an operand as it loads it, or why it can't be."""
+    a, b = instr.inputs
+    kernel = Kernel(Space((a.shape[0], b.shape[1]), contract=a.shape[1]), [instr.outputs[0]], position, matmul=instr)
+    try:
+        kernel.source = _emit(analysis, kernel, None, "trial", interpret)
+    except NotFusible as e:
+        return str(e)
+    return kernel
 
 
 def _merge_into_earlier(analysis, merged: list[Kernel], libraries, kernel: Kernel, decisions, interpret: bool) -> bool:
@@ -280,22 +361,29 @@ def _merge_into_earlier(analysis, merged: list[Kernel], libraries, kernel: Kerne
 EPILOGUE_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 
 
-def _fuse_epilogues(analysis, merged: list[Kernel], libraries: list[Library], decisions, interpret: bool) -> None:
+def _fuse_epilogues(analysis, merged: list[Kernel], libraries: list[Library], decisions, interpret: bool, ids) -> None:
     """A matmul whose result one kernel reads runs as a generated kernel that applies that kernel's
     pointwise work to each output tile before it stores it. The kernel's sums, if it has any,
-    stay in a kernel of their own that reads the epilogue's results. Taken where the cost model
-    (`fusion/heuristics.py`) estimates the fused kernel faster on the GPU the project targets."""
+    stay in a kernel of their own that reads the epilogue's results; a kernel that only adds the
+    product up over its rows (a weight's gradient) becomes partial sums of the tiles. Taken where
+    the cost model (`fusion/heuristics.py`) estimates the fused kernel faster on the GPU the
+    project targets; a matmul generated for its prologue takes its epilogue wherever that moves
+    fewer bytes (the generated matmul is paid for already)."""
     if H.MATMUL_EPILOGUES == "never":
         return
+    prologue_matmuls = [k for k in merged if k.matmul is not None]  # none has an epilogue yet
     for lib in [s for s in libraries if s.instr.op == "mm"]:
-        reason = _epilogue(analysis, merged, libraries, lib, interpret)
+        reason = _epilogue(analysis, merged, libraries, lib, interpret, ids)
         if reason is not None:
             decisions.append(f"not fused into a matmul epilogue: {format_instr(lib.instr)}: {reason}")
+    for kern in prologue_matmuls:
+        reason = _epilogue(analysis, merged, libraries, kern, interpret, ids)
+        if reason is not None:
+            decisions.append(f"generated for its prologue, without an epilogue: {format_instr(kern.matmul)}: {reason}")
 
 
-def _epilogue(analysis, merged: list[Kernel], libraries: list[Library], lib: Library, interpret: bool) -> str | None:
-    """Fuse `lib` with the kernel that reads its result, in place; None when done, else why not."""
-    instr = lib.instr
+def generated_matmul_reason(instr: Instr) -> str | None:
+    """None when `instr` (an mm) can run as a generated Triton matmul, else why not."""
     a, b = instr.inputs
     y = instr.outputs[0]
     if y.dtype not in EPILOGUE_DTYPES or a.dtype != y.dtype or b.dtype != y.dtype:
@@ -306,47 +394,133 @@ def _epilogue(analysis, merged: list[Kernel], libraries: list[Library], lib: Lib
         return "a matrix-vector product (memory-bound: a library call reads it once)"
     if max(a.type.numel(), b.type.numel(), y.type.numel()) > H.INT32_LIMIT:
         return "an operand too large for 32-bit offsets"
-    if any(y.name in step_reads(analysis, s) for s in libraries if s is not lib):
+    return None
+
+
+def _epilogue(analysis, merged: list[Kernel], libraries: list[Library], step, interpret: bool, ids) -> str | None:
+    """Fuse the matmul of `step` (a library call, or a matmul kernel generated for its prologue)
+    with the kernel that reads its result, in place; None when done, else why not."""
+    generated = isinstance(step, Kernel)
+    instr = step.matmul if generated else step.instr
+    a, b = instr.inputs
+    y = instr.outputs[0]
+    reason = generated_matmul_reason(instr)
+    if reason is not None:
+        return reason
+    m, k = a.shape
+    n = b.shape[1]
+    if any(y.name in step_reads(analysis, s) for s in libraries if s is not step):
         return "a library call reads the product"
-    readers = [kern for kern in merged if y.name in {v.name for v in kern.source.loads}]
+    readers = [kern for kern in merged if kern is not step and y.name in {v.name for v in kern.source.loads}]
     if len(readers) != 1:
         return f"{len(readers)} kernels read the product"
     consumer = readers[0]
     if consumer.matmul is not None:
-        return "the product is read by another matmul's epilogue"
+        return _second_product(analysis, merged, libraries, step, consumer, interpret)
     sums = [v for v in consumer.members if _is_space_sum(analysis, v)]
     tile = [v for v in consumer.members if v not in sums and v.type.numel() == m * n]
     rest = [v for v in consumer.members if v not in tile]
-    if not tile:
+    space = Space((m, n), contract=k)
+    if not tile and sums and len(rest) == len(sums):
+        replacement = _sum_epilogue(analysis, space, instr, consumer, sums, interpret, ids)
+        if isinstance(replacement, str):
+            return replacement
+        fused, remaining = replacement
+    elif not tile:
         return "the kernel that reads it has no pointwise work over the product's elements"
-    fused = Kernel(Space((m, n), contract=k), [y] + tile, consumer.first, matmul=instr)
-    remaining = Kernel(consumer.space, rest, consumer.first) if rest else None
-    try:
-        if remaining is not None:
-            remaining.source = _emit(analysis, remaining, None, "trial", interpret)
-        rest_reads_product = remaining is not None and y.name in {v.name for v in remaining.source.loads}
-        stores = {v.name for v in tile} | ({y.name} if rest_reads_product or analysis.is_output(y) else set())
-        fused.source = _emit(analysis, fused, stores, "trial", interpret)
-    except NotFusible as e:
-        return str(e)
-    if remaining is not None and {v.name for v in fused.source.loads} & {v.name for v in rest}:
-        return "the epilogue reads a reduction of the kernel it came from"
-    lib_bytes = sum(v.type.numel() * v.dtype.itemsize for v in (a, b, y))
+    else:
+        fused = Kernel(space, [y] + tile, consumer.first, matmul=instr)
+        remaining = Kernel(consumer.space, rest, consumer.first) if rest else None
+        try:
+            if remaining is not None:
+                remaining.source = _emit(analysis, remaining, None, "trial", interpret)
+            rest_reads_product = remaining is not None and y.name in {v.name for v in remaining.source.loads}
+            stores = {v.name for v in tile} | ({y.name} if rest_reads_product or analysis.is_output(y) else set())
+            fused.source = _emit(analysis, fused, stores, "trial", interpret)
+        except NotFusible as e:
+            return str(e)
+        if remaining is not None and {v.name for v in fused.source.loads} & {v.name for v in rest}:
+            return "the epilogue reads a reduction of the kernel it came from"
+    lib_bytes = _bytes(step) if generated else sum(v.type.numel() * v.dtype.itemsize for v in (a, b, y))
     consumer_bytes, fused_bytes = _bytes(consumer), _bytes(fused)
     rest_bytes = 0 if remaining is None else _bytes(remaining)
     if fused_bytes + rest_bytes >= lib_bytes + consumer_bytes:
         return f"moves no fewer bytes ({fused_bytes + rest_bytes} against {lib_bytes + consumer_bytes})"
     before = (lib_bytes, consumer_bytes, 2)
     after = (fused_bytes, rest_bytes, 1 if remaining is None else 2)
-    if H.MATMUL_EPILOGUES == "cost" and not H.epilogue_pays(2.0 * m * n * k, str(y.dtype).removeprefix("torch."), before, after):
+    flops = 2.0 * m * n * k
+    if not generated and H.MATMUL_EPILOGUES == "cost" and not H.epilogue_pays(flops, str(y.dtype).removeprefix("torch."), before, after):
         return "the cost model estimates the library call plus a separate kernel faster"
     at = merged.index(consumer)
     merged[at : at + 1] = [fused] + ([remaining] if remaining is not None else [])
-    libraries.remove(lib)
+    if generated:
+        merged.remove(step)
+    else:
+        libraries.remove(step)
     return None
 
 
-def _split_column_sums(analysis, merged: list[Kernel], libraries: list[Library], decisions, interpret: bool) -> None:
+def _second_product(analysis, merged: list[Kernel], libraries: list[Library], step, consumer: Kernel, interpret: bool) -> str | None:
+    """The product of `step` feeds another matmul kernel's epilogue (a sum of two products: SwiGLU's
+    or attention's input gradient): that kernel computes this product's tile too, in a K loop of its
+    own, instead of loading it. In place; None when done, else why not."""
+    generated = isinstance(step, Kernel)
+    instr = step.matmul if generated else step.instr
+    a, b = instr.inputs
+    y = instr.outputs[0]
+    if consumer.space.shape != (a.shape[0], b.shape[1]) or analysis.is_output(y):
+        return "the product is read by another matmul's epilogue at another shape, or returned"
+    if generated and (step.extra_matmuls or step.partials or len(step.members) != 1):
+        return "the product's kernel has work of its own"
+    stored = {v.name for v in consumer.source.stores}
+    trial = dataclasses.replace(consumer, extra_matmuls=consumer.extra_matmuls + (instr,), source=None)
+    try:
+        trial.source = _emit(analysis, trial, {m.name for m in consumer.members if m.name in stored}, "trial", interpret)
+    except NotFusible as e:
+        return str(e)
+    if y.name in {v.name for v in trial.source.loads}:
+        return "the epilogue reads the product at another index than its tile"
+    lib_bytes = _bytes(step) if generated else sum(v.type.numel() * v.dtype.itemsize for v in (a, b, y))
+    before, after = _bytes(consumer) + lib_bytes, _bytes(trial)
+    if after >= before:
+        return f"moves no fewer bytes ({after} against {before})"
+    flops = 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    dtype = str(y.dtype).removeprefix("torch.")
+    # the library call and its launch, against the bytes the kernel reads in addition (no launch)
+    pays = H.epilogue_pays(flops, dtype, (lib_bytes, 0, 1), (after - _bytes(consumer), 0, 0))
+    if not generated and H.MATMUL_EPILOGUES == "cost" and not pays:
+        return "the cost model estimates the library call faster than a second product in the epilogue"
+    merged[merged.index(consumer)] = trial
+    if generated:
+        merged.remove(step)
+    else:
+        libraries.remove(step)
+    return None
+
+
+def _sum_epilogue(analysis, space: Space, instr: Instr, consumer: Kernel, sums: list[Value], interpret: bool, ids):
+    """The matmul kernel and a finisher that replace a kernel of column sums of the product (and of
+    what it computes from it): each tile adds up its rows, the finisher adds the row blocks up.
+    Returns (fused, finisher), or why not."""
+    y = instr.outputs[0]
+    if not all(partial_sum_fits(space, analysis.producer[v.name]) for v in sums):
+        return "the kernel that reads it adds up other dims than the product's rows"
+    blocks = -(-space.shape[0] // H.matmul_blocks(*space.shape, space.contract, interpret)[0])
+    pairs = []
+    for v in sums:
+        buffer_type = TensorType((blocks, v.type.numel()), compute_dtype(v.dtype), v.device)
+        pairs.append((Value(next(ids), buffer_type, v.origin), v))
+    fused = Kernel(space, [y], consumer.first, matmul=instr, partials=pairs)
+    finisher = Kernel(Space((len(pairs), space.shape[1])), list(sums), consumer.first, partials=pairs, finisher=True)
+    try:
+        fused.source = _emit(analysis, fused, {y.name} if analysis.is_output(y) else set(), "trial", interpret)
+        finisher.source = _emit(analysis, finisher, None, "trial", interpret)
+    except NotFusible as e:
+        return str(e)
+    return fused, finisher
+
+
+def _split_column_sums(analysis, merged: list[Kernel], libraries: list[Library], decisions, interpret: bool, ids) -> None:
     """A kernel of column sums (a bias's or a norm weight's gradient: a sum over every row)
     re-reads what another kernel computes row block by row block. That kernel can add up its own
     rows of each sum instead and store one partial sum per program; a small kernel then adds the
@@ -355,7 +529,6 @@ def _split_column_sums(analysis, merged: list[Kernel], libraries: list[Library],
     never grow), and only where the plan then moves fewer bytes."""
     if not H.PARTIAL_COLUMN_SUMS:
         return
-    ids = iter(range(_max_value_id(analysis.program) + 1, 1 << 62))
     for kern in list(merged):
         if kern.finisher or kern.matmul is not None or not _column_sums(analysis, merged, kern):
             continue
@@ -412,7 +585,7 @@ def _split(analysis, merged: list[Kernel], libraries: list[Library], kern: Kerne
                 pairs, joins = pairs + [(buffer, m)], joined
             else:
                 pairs, joins = pairs, joined + [m]
-            trial = Kernel(host.space, host.members + joins, host.first, matmul=host.matmul, partials=host.partials + pairs)
+            trial = dataclasses.replace(host, members=host.members + joins, partials=host.partials + pairs, source=None)
             stored = ({v.name for v in host.source.stores} - {b.name for b, _ in host.partials}) | {v.name for v in joins}
             try:
                 trial.source = _emit(analysis, trial, stored, "trial", interpret)
@@ -505,7 +678,8 @@ def _emit(analysis, kernel: Kernel, stores, name: str, interpret: bool) -> Kerne
         return finish_partials(tuple(kernel.partials), name, interpret, instrs, tuple(kernel.members))
     partials = tuple(kernel.partials)
     if kernel.matmul is not None:
-        return Emitter(analysis, sp, kernel.members, stores, name, interpret, matmul=kernel.matmul, partials=partials).build()
+        matmuls = {"matmul": kernel.matmul, "extra_matmuls": kernel.extra_matmuls}
+        return Emitter(analysis, sp, kernel.members, stores, name, interpret, partials=partials, **matmuls).build()
     if sp.reduced and (sp.column_reduction or not sp.fits_a_block) and not partials:
         try:
             return Emitter(analysis, sp, kernel.members, stores, name, interpret, looped=True).build()
@@ -544,7 +718,7 @@ def _data_edges(analysis: Analysis, steps: list):
 def _effect_edges(libraries: list):
     """Steps with effects (a custom backward, a node's hooks, a leaf delivery a hook reads) keep
     their program order among themselves, which no data edge gives them: each follows the last."""
-    effects = sorted((s for s in libraries if get_op(s.instr.op).effect), key=lambda s: s.position)
+    effects = sorted((s for s in libraries if isinstance(s, Library) and get_op(s.instr.op).effect), key=lambda s: s.position)
     return zip(effects, effects[1:])
 
 

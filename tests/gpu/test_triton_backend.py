@@ -68,3 +68,36 @@ def test_compiled_kernels_agree_with_the_interpreter():
     gpu = gpuautograd.grad(loss_fn(gpu_model, *(b.to(DEVICE) for b in batch)), list(gpu_model.parameters()), backend="triton")
     for a, e in zip(gpu, cpu):
         assert_close(a.cpu(), e)
+
+
+@pytest.mark.parametrize(
+    "case,dtype",
+    [("squared_error", torch.float32), ("squared_error", torch.bfloat16), ("fused_qkv", torch.bfloat16), ("scaled_norm", torch.float32)],
+    ids=str,
+)
+def test_generated_matmuls_with_prologues_and_partial_sums(case, dtype, monkeypatch):
+    """Matmuls that compute an operand as they load it, or add their product up in the tiles
+    (tests/interpret/test_matmul_prologue.py), compiled for the GPU: torch's gradients."""
+    from gpuautograd.fusion import heuristics as H
+    from tests.interpret import test_matmul_prologue as cases
+
+    monkeypatch.setattr(H, "MATMUL_EPILOGUES", "always")
+    torch.manual_seed(0)
+    m, k, n = 300, 70, 3 * 43
+
+    def leaf(*shape, grad=True):
+        return (torch.randn(*shape, device=DEVICE) * shape[0] ** -0.5).to(dtype).requires_grad_(grad)
+
+    if case == "scaled_norm":
+        inputs, fn = [leaf(k), leaf(k, n), leaf(m, k, grad=False)], cases.scaled_norm
+    else:
+        inputs, fn = [leaf(m, k), leaf(k, n)], getattr(cases, case)
+    out = fn(*inputs)
+    g = torch.randn_like(out)
+    assert any(s.startswith("matmul[") for s in (kern.space for kern in gpuautograd.explain([out], [g], backend="triton").kernels))
+    wrt = [x for x in inputs if x.requires_grad]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a kernel falling back must fail the test
+        ours = gpuautograd.grad([out], wrt, [g], retain_graph=True, backend="triton")
+    for a, e in zip(ours, torch.autograd.grad([out], wrt, [g])):
+        assert_close(a, e, msg=case)

@@ -352,6 +352,6 @@ def test_a_widening_cast_read_several_times_is_recomputed_not_stored(monkeypatch
 
     recomputed = gpuautograd.explain([out], [g], backend=BACKEND)
     assert stored_casts(recomputed) == []
-    monkeypatch.setattr(partition, "_widening_cast", lambda instr: False)  # the rule of earlier versions
+    monkeypatch.setattr(partition, "_recomputes_cheaply", lambda analysis, v: False)  # the rule of earlier versions
     stored = gpuautograd.explain([out], [g], backend=BACKEND)
     assert stored_casts(stored) and recomputed.bytes_moved < stored.bytes_moved

@@ -146,3 +146,48 @@ def test_a_failing_kernel_on_either_side_falls_back_to_the_right_sums(monkeypatc
     assert gpuautograd.stats()["kernel_fallbacks"] == {broken: 1}
     for a, e in zip(ours, expected):
         assert_close(a, e)
+
+
+def norm_linear_norm(x, w1, b1, lw, lb, w2, b2):
+    """A linear layer between two layer norms: its bias gradient sums a [B*T, C] view of what the
+    second norm's [B, T, C] row pass computes."""
+    h = F.linear(F.layer_norm(x, x.shape[-1:], w1, b1), lw, lb)
+    return F.layer_norm(h, h.shape[-1:], w2, b2).sin()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=str)
+def test_a_bias_gradient_of_another_shape_is_added_up_in_the_row_pass(dtype):
+    x = rand(3, 70, 24, dtype=dtype)
+    params = [rand(24, dtype=dtype), rand(24, dtype=dtype), rand(32, 24, dtype=dtype), rand(32, dtype=dtype)]
+    params += [rand(32, dtype=dtype), rand(32, dtype=dtype)]
+    out = norm_linear_norm(x, *params)
+    report = gpuautograd.explain([out], [torch.randn_like(out)], backend="interpret")
+    assert finishers(report), report.plan
+    # no kernel reads the linear layer's output gradient again to sum it over its rows
+    assert not any(k.space.startswith("reduce[210x32 over dims [0]]") for k in report.kernels), report.plan
+    check_grads(norm_linear_norm, x, *params, backend="interpret")
+
+
+def residual_block(x, w, b, lw, lb):
+    return (x + F.linear(F.layer_norm(x, x.shape[-1:], w, b), lw, lb)).sin()
+
+
+def test_a_normalized_input_is_recomputed_not_stored(monkeypatch):
+    """Layer norm's backward reads (x - mean) * rstd and the gradient scaled by its weight in several
+    places. Stored (they had joined the kernel of the linear layer's bias gradient, the first over
+    their elements), each cost a write and a read back; recomputed in the row pass, which reads x
+    and the incoming gradient anyway, they cost nothing."""
+    from gpuautograd.fusion import partition
+
+    x = rand(4, 50, 48, dtype=F32)
+    params = [rand(48, dtype=F32), rand(48, dtype=F32), rand(48, 48, dtype=F32), rand(48, dtype=F32)]
+    out = residual_block(x, *params)
+    g = torch.randn_like(out)
+    recomputed = gpuautograd.explain([out], [g], backend="interpret")
+    assert any("is recomputed where it is read" in d for d in recomputed.decisions), recomputed.decisions
+    monkeypatch.setattr(partition, "_recomputes_cheaply", lambda analysis, v: False)  # the rule of earlier versions
+    stored = gpuautograd.explain([out], [g], backend="interpret")
+    assert recomputed.launches <= stored.launches
+    assert stored.bytes_moved - recomputed.bytes_moved >= 2 * x.numel() * 4, (recomputed.bytes_moved, stored.bytes_moved)
+    monkeypatch.undo()
+    check_grads(residual_block, x, *params, backend="interpret")

@@ -68,3 +68,59 @@ def test_random_graph_matches_torch_autograd(seed):
         assert (a is None) == (e is None)
         if e is not None:
             assert_close(a, e, msg=f"seed {seed}")
+
+
+def _matmul_step(rng: random.Random, x: torch.Tensor, weights: list) -> torch.Tensor:
+    """One step of a random 2-D chain with products in it: what the matmul prologues, epilogues,
+    column sums and sums of products (issue 26) fuse."""
+    n = x.shape[1]
+
+    def weight(cols):  # scaled as a layer's weight is, so values stay near 1 along the chain
+        w = (torch.randn(n, cols, dtype=x.dtype) * n**-0.5).requires_grad_()
+        weights.append(w)
+        return w
+
+    def linear():
+        return x @ weight(rng.choice([1, 5, 17, 40]))
+
+    def gated():
+        return F.silu(x @ weight(24)) * (x @ weight(24))
+
+    choices = [
+        linear,
+        linear,
+        gated,
+        lambda: F.gelu(x) * 1.5,
+        lambda: F.layer_norm(x, x.shape[-1:]),
+        lambda: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
+        lambda: x - x.mean(0, keepdim=True),
+        lambda: x.pow(2) * 0.5 + x,
+        lambda: torch.cat([x, x * 2], 1),
+        lambda: x.t().contiguous().t() * 1.0 + x.sum(0),
+    ]
+    return rng.choice(choices)()
+
+
+@pytest.mark.parametrize("mode", ["cost", "always"])
+@pytest.mark.parametrize("seed", range(24))
+def test_random_matmul_chain_matches_torch_autograd(seed, mode, monkeypatch):
+    from gpuautograd.fusion import heuristics as H
+
+    monkeypatch.setattr(H, "MATMUL_EPILOGUES", mode)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    x0 = torch.randn(rng.choice([3, 33, 130]), rng.choice([4, 17, 48]), requires_grad=True)  # float32: generated matmuls
+    weights: list = []
+    x = x0
+    for _ in range(rng.randrange(2, 6)):
+        x = _matmul_step(rng, x, weights)
+    out = x.pow(2).mean() if rng.random() < 0.5 else x * 1.0
+    g = torch.randn_like(out)
+    leaves = [x0] + weights
+    with no_kernel_fallback():
+        ours = gpuautograd.grad([out], leaves, [g], retain_graph=True, allow_unused=True, backend="interpret")
+    theirs = torch.autograd.grad([out], leaves, [g], allow_unused=True)
+    for a, e in zip(ours, theirs):
+        assert (a is None) == (e is None)
+        if e is not None:
+            assert_close(a, e, msg=f"seed {seed}")

@@ -57,8 +57,11 @@ def test_launches_count_kernels_and_library_calls():
     x = torch.randn(5, 16)
     e = _plan(torch.tanh(lin(x)).sum())
     library = sum(1 for line in e.plan.splitlines() if "# library:" in line)
+    matmuls = [k for k in e.kernels if k.space.startswith("matmul[")]
     assert e.launches == len(e.kernels) + library
-    assert library == 1  # the weight gradient's matmul; the input needs no gradient
+    # the weight gradient's matmul (the input needs no gradient): at this size the cost model
+    # generates it, computing tanh's backward as it loads it, so it is a kernel, not a library call
+    assert library + len(matmuls) == 1 and e.launches == 2, e.plan
 
 
 def test_decisions_name_what_was_not_fused_and_why():

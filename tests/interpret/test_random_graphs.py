@@ -60,6 +60,10 @@ def random_graph(seed: int, dtype: torch.dtype):
 def test_random_graph_matches_torch_autograd(seed):
     dtype = torch.float32 if seed % 3 == 0 else torch.float64
     leaves, out = random_graph(seed, dtype)
+    _same_grads_as_torch(out, leaves, f"seed {seed}")
+
+
+def _same_grads_as_torch(out, leaves, msg):
     g = torch.randn_like(out)
     with no_kernel_fallback():
         ours = gpuautograd.grad([out], leaves, [g], retain_graph=True, allow_unused=True, backend="interpret")
@@ -67,7 +71,7 @@ def test_random_graph_matches_torch_autograd(seed):
     for a, e in zip(ours, theirs):
         assert (a is None) == (e is None)
         if e is not None:
-            assert_close(a, e, msg=f"seed {seed}")
+            assert_close(a, e, msg=msg)
 
 
 def _matmul_step(rng: random.Random, x: torch.Tensor, weights: list) -> torch.Tensor:
@@ -115,12 +119,4 @@ def test_random_matmul_chain_matches_torch_autograd(seed, mode, monkeypatch):
     for _ in range(rng.randrange(2, 6)):
         x = _matmul_step(rng, x, weights)
     out = x.pow(2).mean() if rng.random() < 0.5 else x * 1.0
-    g = torch.randn_like(out)
-    leaves = [x0] + weights
-    with no_kernel_fallback():
-        ours = gpuautograd.grad([out], leaves, [g], retain_graph=True, allow_unused=True, backend="interpret")
-    theirs = torch.autograd.grad([out], leaves, [g], allow_unused=True)
-    for a, e in zip(ours, theirs):
-        assert (a is None) == (e is None)
-        if e is not None:
-            assert_close(a, e, msg=f"seed {seed}")
+    _same_grads_as_torch(out, [x0] + weights, f"seed {seed}, {mode}")

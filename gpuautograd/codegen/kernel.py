@@ -701,6 +701,8 @@ def finish_partials(partials: tuple, name: str, interpret: bool, instrs: list[in
     over P, stored into the matching `outs` value in its dtype (the sum's, or the dtype of a cast
     of it). Columns are split across programs; P is looped."""
     cols = partials[0][0].shape[1]
+    if any(buffer.shape[1] != cols or out.type.numel() != cols for (buffer, _), out in zip(partials, outs)):
+        raise NotFusible(f"partial sums of different widths can't share a finisher: {[b.shape for b, _ in partials]}")
     cblock = min(H.next_pow2(cols), H.INTERPRET_POINTWISE_BLOCK if interpret else H.GPU_LOOP_COLS)
     pblock = H.INTERPRET_LOOP_ROWS if interpret else H.GPU_LOOP_ROWS
     body = [

@@ -319,6 +319,7 @@ def plan_fusion(
     ids = iter(range(_max_value_id(program) + 1, 1 << 62))  # names of the partial-sum buffers
     _fuse_epilogues(analysis, merged, libraries, decisions, interpret, ids)
     _split_column_sums(analysis, merged, libraries, decisions, interpret, ids)
+    _merge_finishers(analysis, merged, libraries, decisions, interpret)
     steps = _schedule(analysis, merged, libraries)
     _finalize(analysis, steps, interpret)
     return FusionPlan(program, analysis, steps, decisions)
@@ -605,7 +606,7 @@ def _split(analysis, merged: list[Kernel], libraries: list[Library], kern: Kerne
         chosen[id(host)] = [host, trial, pairs, joins]
     pairs = [pair for _, _, group, _ in chosen.values() for pair in group]
     outs = [casts.get(s.name, s) for _, s in pairs]
-    finisher = Kernel(Space((len(pairs), kern.space.cols)), outs, kern.first, partials=pairs, finisher=True)
+    finisher = Kernel(Space((len(pairs), pairs[0][0].shape[1])), outs, kern.first, partials=pairs, finisher=True)
     finisher.source = _emit(analysis, finisher, None, "trial", interpret)
     before = _bytes(kern)
     after = _bytes(finisher) + sum(_bytes(trial) - _bytes(host) for host, trial, _, _ in chosen.values())
@@ -621,6 +622,32 @@ def _split(analysis, merged: list[Kernel], libraries: list[Library], kern: Kerne
         return "the steps would form a cycle"
     merged[:] = proposal
     return None
+
+
+def _merge_finishers(analysis, merged: list[Kernel], libraries: list[Library], decisions, interpret: bool) -> None:
+    """Finishers of the same width (each layer norm's weight and bias gradients, in bfloat16 split
+    layer by layer) add their partial sums up in one launch. Not where steps have effects (a hook
+    or a DDP bucket would wait for the last layer's sums), nor where it would form a cycle."""
+    if any(get_op(s.instr.op).effect for s in libraries):
+        return
+    by_width: dict[int, list[Kernel]] = {}
+    for kern in merged:
+        if kern.finisher:
+            by_width.setdefault(kern.partials[0][0].shape[1], []).append(kern)  # the columns it adds up
+    for width, group in by_width.items():
+        if len(group) < 2:
+            continue
+        pairs = [pair for kern in group for pair in kern.partials]
+        outs = [m for kern in group for m in kern.members]
+        one = Kernel(Space((len(pairs), width)), outs, max(k.first for k in group), partials=pairs, finisher=True)
+        proposal = [k for k in merged if k not in group] + [one]
+        try:
+            one.source = _emit(analysis, one, None, "trial", interpret)
+            _schedule(analysis, proposal, libraries)
+        except (NotFusible, RuntimeError):
+            decisions.append(f"finishers {', '.join(_names(k) for k in group)} not merged: the steps would form a cycle")
+            continue
+        merged[:] = proposal
 
 
 def _row_blocks(host: Kernel, interpret: bool) -> int:

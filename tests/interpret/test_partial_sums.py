@@ -191,3 +191,44 @@ def test_a_normalized_input_is_recomputed_not_stored(monkeypatch):
     assert stored.bytes_moved - recomputed.bytes_moved >= 2 * x.numel() * 4, (recomputed.bytes_moved, stored.bytes_moved)
     monkeypatch.undo()
     check_grads(residual_block, x, *params, backend="interpret")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_finishers_of_the_same_width_are_one_launch(dtype, monkeypatch):
+    """Each layer norm's weight and bias gradients, and the linear layer's bias gradient between
+    them, are partial sums of a row pass; the finishers of equal width add their partials up in
+    one kernel."""
+    from gpuautograd.fusion import partition
+
+    torch.manual_seed(0)
+    x = rand(3, 70, 24, dtype=dtype)
+    params = [rand(24, dtype=dtype), rand(24, dtype=dtype), rand(24, 24, dtype=dtype)] + [rand(24, dtype=dtype) for _ in range(3)]
+    out = norm_linear_norm(x, *params)
+    g = torch.randn_like(out)
+    merged = gpuautograd.explain([out], [g], backend="interpret")
+    monkeypatch.setattr(partition, "_merge_finishers", lambda *args: None)
+    apart = gpuautograd.explain([out], [g], backend="interpret")
+    assert len(finishers(merged)) == 1 and len(finishers(apart)) >= 2, apart.plan
+    assert merged.launches == apart.launches - len(finishers(apart)) + 1 and merged.bytes_moved == apart.bytes_moved
+    monkeypatch.undo()
+    if dtype == F32:
+        check_grads(norm_linear_norm, x, *params, backend="interpret")
+    else:  # sums over 210 rows: against float64, as the other bfloat16 sums
+        inputs = [x, *params]
+        eager = torch.autograd.grad(out, inputs, g, retain_graph=True)
+        ours = gpuautograd.grad([out], inputs, [g], backend="interpret")
+        error = [float64_error(norm_linear_norm, inputs, g, grads) for grads in (ours, eager)]
+        assert error[0] <= 3.0 * error[1] + 1e-6, error
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_finishers_of_other_widths_stay_apart(dtype):
+    x = rand(3, 70, 24, dtype=dtype)
+    params = [rand(24, dtype=dtype), rand(24, dtype=dtype), rand(32, 24, dtype=dtype), rand(32, dtype=dtype)]
+    params += [rand(32, dtype=dtype), rand(32, dtype=dtype)]
+    out = norm_linear_norm(x, *params)
+    report = gpuautograd.explain([out], [torch.randn_like(out)], backend="interpret")
+    widths = sorted(int(k.space.split("x")[1].rstrip("]")) for k in finishers(report))
+    assert widths == [24, 32], report.plan
+    if dtype == F32:
+        check_grads(norm_linear_norm, x, *params, backend="interpret")

@@ -177,7 +177,7 @@ def test_a_normalized_input_is_recomputed_not_stored(monkeypatch):
     places. Stored (they had joined the kernel of the linear layer's bias gradient, the first over
     their elements), each cost a write and a read back; recomputed in the row pass, which reads x
     and the incoming gradient anyway, they cost nothing."""
-    from gpuautograd.fusion import partition
+    from gpuautograd.fusion.analysis import Analysis
 
     x = rand(4, 50, 48, dtype=F32)
     params = [rand(48, dtype=F32), rand(48, dtype=F32), rand(48, 48, dtype=F32), rand(48, dtype=F32)]
@@ -185,7 +185,7 @@ def test_a_normalized_input_is_recomputed_not_stored(monkeypatch):
     g = torch.randn_like(out)
     recomputed = gpuautograd.explain([out], [g], backend="interpret")
     assert any("is recomputed where it is read" in d for d in recomputed.decisions), recomputed.decisions
-    monkeypatch.setattr(partition, "_recomputes_cheaply", lambda analysis, v: False)  # the rule of earlier versions
+    monkeypatch.setattr(Analysis, "recomputes_cheaply", lambda self, v: False)  # the rule of earlier versions
     stored = gpuautograd.explain([out], [g], backend="interpret")
     assert recomputed.launches <= stored.launches
     assert stored.bytes_moved - recomputed.bytes_moved >= 2 * x.numel() * 4, (recomputed.bytes_moved, stored.bytes_moved)
@@ -198,7 +198,7 @@ def test_finishers_of_the_same_width_are_one_launch(dtype, monkeypatch):
     """Each layer norm's weight and bias gradients, and the linear layer's bias gradient between
     them, are partial sums of a row pass; the finishers of equal width add their partials up in
     one kernel."""
-    from gpuautograd.fusion import partition
+    from gpuautograd.fusion import partial_sums
 
     torch.manual_seed(0)
     x = rand(3, 70, 24, dtype=dtype)
@@ -206,7 +206,7 @@ def test_finishers_of_the_same_width_are_one_launch(dtype, monkeypatch):
     out = norm_linear_norm(x, *params)
     g = torch.randn_like(out)
     merged = gpuautograd.explain([out], [g], backend="interpret")
-    monkeypatch.setattr(partition, "_merge_finishers", lambda *args: None)
+    monkeypatch.setattr(partial_sums, "merge_finishers", lambda *args: None)
     apart = gpuautograd.explain([out], [g], backend="interpret")
     assert len(finishers(merged)) == 1 and len(finishers(apart)) >= 2, apart.plan
     assert merged.launches == apart.launches - len(finishers(apart)) + 1 and merged.bytes_moved == apart.bytes_moved

@@ -1,14 +1,17 @@
-"""The IR package's modules import one another one way: no module reaches itself through its
-module-level imports (a cycle makes the import order decide what a module sees half-built)."""
+"""The IR and fusion packages' modules import one another one way: no module reaches itself
+through its module-level imports (a cycle makes the import order decide what a module sees
+half-built)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import gpuautograd.fusion.partition as partition
 import gpuautograd.ir as ir
 
 IR = Path(ir.__file__).parent
+FUSION = Path(partition.__file__).parent
 
 
 def module_level_imports(path: Path) -> set[str]:
@@ -20,8 +23,8 @@ def module_level_imports(path: Path) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    graph = {p.stem: module_level_imports(p) for p in IR.glob("*.py")}
+def import_graph(package: Path = IR) -> dict[str, set[str]]:
+    graph = {p.stem: module_level_imports(p) for p in package.glob("*.py")}
     return {m: deps & graph.keys() for m, deps in graph.items()}
 
 
@@ -48,6 +51,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_ir_modules_import_one_way():
     graph = import_graph()
     assert {"registry", "ops", "program", "printer"} <= graph.keys()
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_fusion_modules_import_one_way():
+    graph = import_graph(FUSION)
+    assert {"partition", "analysis", "steps", "matmul", "partial_sums"} <= graph.keys()
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 

@@ -70,6 +70,16 @@ def float64_error(fn, inputs, grad, grads) -> float:
     return max(((a.double() - t).abs().max() / t.abs().max()).item() for a, t in zip(grads, truth))
 
 
+def assert_as_accurate_as_eager(fn, inputs, out, grad, factor: float, slack: float = 1e-6, wide_fn=None) -> None:
+    """Against the float64 gradients, the interpreted plan's error on `out` (= fn(*inputs), its graph
+    retained) is at most `factor` times eager's plus `slack`. `wide_fn`: `fn` with its float64
+    constants, where `fn` closes over half-type tensors that are not inputs."""
+    eager = torch.autograd.grad(out, inputs, grad, retain_graph=True)
+    ours = gpuautograd.grad([out], inputs, [grad], backend="interpret")
+    error_ours, error_eager = (float64_error(wide_fn or fn, inputs, grad, grads) for grads in (ours, eager))
+    assert error_ours <= factor * error_eager + slack, (error_ours, error_eager)
+
+
 def fail_launches_of(monkeypatch, kernel_name: str) -> None:
     """Every launch of the generated kernel `kernel_name` raises, as a broken launch would."""
     from gpuautograd.codegen import compile as kernel_compile

@@ -88,6 +88,11 @@ def matmul_blocks(m: int, n: int, k: int, interpret: bool) -> tuple[int, int, in
     return tuple(max(MIN_MATMUL_BLOCK, min(next_pow2(x), cap)) for x, cap in zip((m, n, k), caps))
 
 
+def matmul_row_tiles(m: int, n: int, k: int, interpret: bool) -> int:
+    """Row tiles of an M x N matmul kernel: each stores one partial sum of a column sum it adds up."""
+    return -(-m // matmul_blocks(m, n, k, interpret)[0])
+
+
 def epilogue_pays(flops: float, dtype_name: str, before: tuple[int, int, int], after: tuple[int, int, int]) -> bool:
     """Is the fused plan estimated faster? `before` is (library call's bytes, the kernels' bytes,
     launches) of the matmul and what reads its result; `after` the same for the fused kernel (its

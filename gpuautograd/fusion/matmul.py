@@ -201,7 +201,7 @@ def _sum_epilogue(analysis, space: Space, instr: Instr, consumer: Kernel, sums: 
     y = instr.outputs[0]
     if not all(partial_sum_fits(space, analysis.producer[v.name]) for v in sums):
         return "the kernel that reads it adds up other dims than the product's rows"
-    blocks = -(-space.shape[0] // H.matmul_blocks(*space.shape, space.contract, interpret)[0])
+    blocks = H.matmul_row_tiles(*space.shape, space.contract, interpret)
     pairs = []
     for v in sums:
         buffer_type = TensorType((blocks, v.type.numel()), compute_dtype(v.dtype), v.device)

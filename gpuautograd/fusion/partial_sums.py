@@ -149,5 +149,5 @@ def _row_blocks(host: Kernel, interpret: bool) -> int:
     """How many programs split the rows of `host`: one partial sum each."""
     sp = host.space
     if sp.contract:
-        return -(-sp.shape[0] // H.matmul_blocks(sp.shape[0], sp.shape[1], sp.contract, interpret)[0])
+        return H.matmul_row_tiles(*sp.shape, sp.contract, interpret)
     return host.source.grid[0]

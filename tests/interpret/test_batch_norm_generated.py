@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import gpuautograd
-from tests.helpers import check_grads, float64_error, rand
+from tests.helpers import assert_as_accurate_as_eager, check_grads, rand
 
 pytestmark = pytest.mark.filterwarnings("ignore:.* encountered in:RuntimeWarning")
 
@@ -59,12 +59,9 @@ def test_bfloat16_is_as_accurate_as_eager(training):
     inputs = [x, w, b]
     out = fn(*inputs)
     g = torch.randn_like(out)
-    eager = torch.autograd.grad(out, inputs, g, retain_graph=True)
-    ours = gpuautograd.grad([out], inputs, [g], backend="interpret")
     wide_fn = batch_norm_fn(mean.double(), var.double(), training)
-    error_ours, error_eager = (float64_error(wide_fn, inputs, g, grads) for grads in (ours, eager))
     # the interpreter rounds float32 to bfloat16 toward zero (README, Limitations): up to twice eager's error
-    assert error_ours <= 2.5 * error_eager + 1e-6, (error_ours, error_eager)
+    assert_as_accurate_as_eager(fn, inputs, out, g, 2.5, wide_fn=wide_fn)
 
 
 def test_the_generated_backward_reads_and_writes_each_tensor_once():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import gpuautograd
 from gpuautograd.fusion import heuristics as H
-from tests.helpers import assert_close, check_grads, fail_launches_of, float64_error, rand
+from tests.helpers import assert_as_accurate_as_eager, assert_close, check_grads, fail_launches_of, rand
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
@@ -53,9 +53,7 @@ def test_bfloat16_layer_norm_is_the_row_pass_and_a_finisher(shape):
     # the float32 cast of the incoming gradient, read by several instructions, is recomputed where
     # it is read, never stored: the kernels write the bfloat16 gradient and small partial sums only
     assert sum(k.bytes_written for k in report.kernels) < inputs[0].numel() * 4, report.plan
-    eager = torch.autograd.grad(out, inputs, g, retain_graph=True)
-    ours = gpuautograd.grad([out], inputs, [g], backend="interpret")
-    assert float64_error(layer_norm, inputs, g, ours) <= 2.5 * float64_error(layer_norm, inputs, g, eager) + 1e-6
+    assert_as_accurate_as_eager(layer_norm, inputs, out, g, 2.5)
 
 
 def test_bfloat16_partial_sums_are_as_accurate_as_eager():
@@ -71,9 +69,7 @@ def test_bfloat16_partial_sums_are_as_accurate_as_eager():
     out = linear_gelu(*inputs)
     g = torch.randn_like(out)
     assert finishers(gpuautograd.explain([out], [g], backend="interpret"))
-    eager = torch.autograd.grad(out, inputs, g, retain_graph=True)
-    ours = gpuautograd.grad([out], inputs, [g], backend="interpret")
-    assert float64_error(linear_gelu, inputs, g, ours) <= 3.0 * float64_error(linear_gelu, inputs, g, eager) + 1e-6
+    assert_as_accurate_as_eager(linear_gelu, inputs, out, g, 3.0)
 
 
 @pytest.mark.parametrize("backend", ["interpret", "interpret-replay"])
@@ -155,11 +151,15 @@ def norm_linear_norm(x, w1, b1, lw, lb, w2, b2):
     return F.layer_norm(h, h.shape[-1:], w2, b2).sin()
 
 
+def norm_linear_norm_inputs(dtype, width: int) -> list:
+    """x (3 x 70 x 24) and the parameters, the linear layer 24 -> `width`."""
+    x = rand(3, 70, 24, dtype=dtype)
+    return [x, rand(24, dtype=dtype), rand(24, dtype=dtype), rand(width, 24, dtype=dtype)] + [rand(width, dtype=dtype) for _ in range(3)]
+
+
 @pytest.mark.parametrize("dtype", [F32, F64], ids=str)
 def test_a_bias_gradient_of_another_shape_is_added_up_in_the_row_pass(dtype):
-    x = rand(3, 70, 24, dtype=dtype)
-    params = [rand(24, dtype=dtype), rand(24, dtype=dtype), rand(32, 24, dtype=dtype), rand(32, dtype=dtype)]
-    params += [rand(32, dtype=dtype), rand(32, dtype=dtype)]
+    x, *params = norm_linear_norm_inputs(dtype, 32)
     out = norm_linear_norm(x, *params)
     report = gpuautograd.explain([out], [torch.randn_like(out)], backend="interpret")
     assert finishers(report), report.plan
@@ -201,8 +201,7 @@ def test_finishers_of_the_same_width_are_one_launch(dtype, monkeypatch):
     from gpuautograd.fusion import partial_sums
 
     torch.manual_seed(0)
-    x = rand(3, 70, 24, dtype=dtype)
-    params = [rand(24, dtype=dtype), rand(24, dtype=dtype), rand(24, 24, dtype=dtype)] + [rand(24, dtype=dtype) for _ in range(3)]
+    x, *params = norm_linear_norm_inputs(dtype, 24)
     out = norm_linear_norm(x, *params)
     g = torch.randn_like(out)
     merged = gpuautograd.explain([out], [g], backend="interpret")
@@ -214,18 +213,12 @@ def test_finishers_of_the_same_width_are_one_launch(dtype, monkeypatch):
     if dtype == F32:
         check_grads(norm_linear_norm, x, *params, backend="interpret")
     else:  # sums over 210 rows: against float64, as the other bfloat16 sums
-        inputs = [x, *params]
-        eager = torch.autograd.grad(out, inputs, g, retain_graph=True)
-        ours = gpuautograd.grad([out], inputs, [g], backend="interpret")
-        error = [float64_error(norm_linear_norm, inputs, g, grads) for grads in (ours, eager)]
-        assert error[0] <= 3.0 * error[1] + 1e-6, error
+        assert_as_accurate_as_eager(norm_linear_norm, [x, *params], out, g, 3.0)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 def test_finishers_of_other_widths_stay_apart(dtype):
-    x = rand(3, 70, 24, dtype=dtype)
-    params = [rand(24, dtype=dtype), rand(24, dtype=dtype), rand(32, 24, dtype=dtype), rand(32, dtype=dtype)]
-    params += [rand(32, dtype=dtype), rand(32, dtype=dtype)]
+    x, *params = norm_linear_norm_inputs(dtype, 32)
     out = norm_linear_norm(x, *params)
     report = gpuautograd.explain([out], [torch.randn_like(out)], backend="interpret")
     widths = sorted(int(k.space.split("x")[1].rstrip("]")) for k in finishers(report))

@@ -119,6 +119,7 @@ def lower(w: Walk, req: Request) -> Program:
         return e is not None and fan_in.get(e) == 1 and (e in targets or e in retained) and not executes[e[0]]
 
     b = Builder()
+    read: dict[int, Value] = {}  # saved slot -> its program input (_saved_values)
     pending: dict[tuple[int, int], list[Value]] = {}
     sources: dict[tuple[int, int], frozenset | None] = {}  # per pending gradient: see OutputSpec.sources
     for k, ((j, nr), t) in enumerate(zip(req.roots, req.root_types)):
@@ -191,7 +192,7 @@ def lower(w: Walk, req: Request) -> Program:
             raise RuntimeError(BACKWARD_TWICE)
         rule = lookup(info.name) if info.kind == CPP and i not in w.hooked else None
         if rule is not None:
-            saved = _saved_values(b, w, i, w.saved_start[i])
+            saved = _saved_values(b, w, i, w.saved_start[i], read)
             geometry = _native_geometry(w.nodes[i]) if w.native_key else None
             view = NodeView(info.name, saved, [_meta_type(m) for m in metas[i]], out_types, needs, _saved_layouts(w, i), geometry)
             try:
@@ -316,20 +317,26 @@ def _edge_type(w: Walk, metas, e) -> TensorType:
     return t
 
 
-def _saved_values(b: Builder, w: Walk, i: int, base: int) -> dict:
+def _saved_values(b: Builder, w: Walk, i: int, base: int, read: dict) -> dict:
+    """Node i's saved values, tensors as program inputs. `read` (slot -> input) is shared by the
+    nodes: a slot that repeats an earlier one (Walk.aliases, which the key holds) reads its input."""
     node, info = w.nodes[i], w.classes[i]
     out, scratch = {}, []
+
+    def saved_input(value, slot: int, label: str) -> Value:
+        slot = w.aliases.get(slot, slot)
+        if slot not in read:
+            read[slot] = b.input(TensorType.of(value), InputSpec("saved", slot, label))
+        return read[slot]
+
     for (name, value), is_tensor in zip(read_saved(node, info).items(), info.tensor_flags):
         start = len(scratch)
         saved_key(value, is_tensor, scratch)  # the same traversal as the walk: it assigns the same slots
         if isinstance(value, torch.Tensor):
-            out[name] = b.input(TensorType.of(value), InputSpec("saved", base + start, f"{info.name}.{name}"))
+            out[name] = saved_input(value, base + start, f"{info.name}.{name}")
         elif len(scratch) > start:
             slots = iter(range(base + start, base + len(scratch)))
-            out[name] = [
-                None if v is None else b.input(TensorType.of(v), InputSpec("saved", next(slots), f"{info.name}.{name}[{k}]"))
-                for k, v in enumerate(value)
-            ]
+            out[name] = [None if v is None else saved_input(v, next(slots), f"{info.name}.{name}[{k}]") for k, v in enumerate(value)]
         else:
             out[name] = as_signed(value)
     return out

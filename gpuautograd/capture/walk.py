@@ -133,6 +133,9 @@ class Walk:
     # Whether the cache key this walk's plan goes under holds what autograd keeps in C++ only (the
     # native walker's key does: as_strided's input geometry), so that lowering may read it natively.
     native_key: bool = False
+    # Saved slot -> the first slot of the same tensor (saved_aliases), where the cache key holds
+    # it: the plan reads that tensor once.
+    aliases: dict = field(default_factory=dict)
     walker = "python"  # not a field: which walker made this (the native one has its own class)
 
 
@@ -222,7 +225,29 @@ def walk(root_nodes) -> Walk:
         _read_hooks(w, ext_hooks)
     elif hooks.hooks_seen and hooks.node_hooks_live():
         w.hook_reason = w.hook_reason or NODE_HOOKS_UNSEEN
+    pairs = saved_aliases(saved)
+    if pairs:
+        w.aliases = dict(pairs)
+        key.append(("aliases", pairs))
     return w
+
+
+def saved_aliases(saved: list) -> tuple:
+    """(slot, first slot of the same tensor) for each saved tensor that repeats an earlier one: one
+    tensor object that several nodes save (the input x of both x * r and x.pow(2)). The plan reads
+    it once, so the key holds these pairs and a call where the slots hold two tensors misses. The
+    same object, not the same data: that stays true whatever happens to its storage between the
+    walk and the run (FSDP frees a parameter's storage after the forward and refills it before
+    the backward uses it). The native walk keys its own pairs (walk.cpp's put_aliases)."""
+    if len(set(map(id, saved))) == len(saved):  # the common case, in a few µs
+        return ()
+    first: dict[int, int] = {}
+    pairs = []
+    for k, t in enumerate(saved):
+        j = first.setdefault(id(t), k)
+        if j != k:
+            pairs.append((k, j))
+    return tuple(pairs)
 
 
 # Hook bits (gpuautograd/native/node_hooks.h).

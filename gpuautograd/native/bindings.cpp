@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("unsupported", &NativeWalk::unsupported)
       .def_property_readonly("fallback", &NativeWalk::fallback)
       .def_property_readonly("hooked_nodes", &NativeWalk::hooked_nodes)
+      .def_property_readonly("aliases", &NativeWalk::aliases)
       .def_property_readonly("root_edges", &NativeWalk::root_edges)
       .def_property_readonly("input_edges", &NativeWalk::input_edges)
       .def("__len__", &NativeWalk::size)

@@ -29,6 +29,7 @@ enum Tag : uint8_t {
   kGrad,    // an incoming gradient of a root
   kRead,    // a node's saved values, read by its generated reader (saved_readers.inc)
   kHookBits,  // a node with Python-visible hooks (node_hooks.h's bits): the program yields there
+  kAliases,   // saved tensors that are one tensor: the plan reads each such tensor once
 };
 
 // The bytes of a Python bytes object, without a copy.

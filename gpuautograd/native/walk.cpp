@@ -111,6 +111,7 @@ void WalkBuffers::give_back(std::unique_ptr<WalkBuffers> used) {
   used->saved.clear();
   used->root_edges.clear();
   used->input_edges.clear();
+  used->by_impl.clear();
   spare() = std::move(used);
 }
 
@@ -161,6 +162,41 @@ void NativeWalk::run(const std::vector<at::Tensor>& roots, const std::vector<at:
     if (edge) {
       key_.put(edge->first);
       key_.put(edge->second);
+    }
+  }
+  if (!unsupported_ && !fallback_) {
+    put_aliases();
+  }
+}
+
+// Saved tensors that are one tensor (the input x of both x * r and x.pow(2)): the plan reads it
+// once, so the key says which are, and a call where they are two tensors misses. One tensor is
+// one TensorImpl, not the same data: that stays true whatever happens to its storage between the
+// walk and the run (FSDP frees a parameter's storage after the forward and refills it before the
+// backward uses it). A capture reads as one only the slots that both this key and the Python
+// walk pair (capture/native_walk.py's confirmed_aliases).
+void NativeWalk::put_aliases() {
+  auto& by_impl = buffers_->by_impl;
+  for (size_t k = 0; k < saved_.size(); ++k) {
+    if (saved_[k].defined()) {
+      by_impl.emplace_back(saved_[k].unsafeGetTensorImpl(), static_cast<int64_t>(k));
+    }
+  }
+  std::sort(by_impl.begin(), by_impl.end());  // one impl's slots in saved order: the first is the one read
+  for (size_t a = 1, first = 0; a < by_impl.size(); ++a) {
+    if (by_impl[a].first != by_impl[first].first) {
+      first = a;
+    } else {
+      aliases_.emplace_back(by_impl[a].second, by_impl[first].second);
+    }
+  }
+  if (!aliases_.empty()) {
+    std::sort(aliases_.begin(), aliases_.end());
+    key_.put(kAliases);
+    key_.put<uint32_t>(aliases_.size());
+    for (const auto& [k, rep] : aliases_) {
+      key_.put(k);
+      key_.put(rep);
     }
   }
 }

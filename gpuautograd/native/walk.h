@@ -109,6 +109,7 @@ struct WalkBuffers {
   std::vector<at::Tensor> saved;  // a walk's saved list, between walks: its capacity, emptied
   std::vector<Edge> root_edges;
   std::vector<std::optional<Edge>> input_edges;
+  std::vector<std::pair<const c10::TensorImpl*, int64_t>> by_impl;  // put_aliases' (tensor, saved index)
 
   // This thread's kept buffers, or new ones.
   static std::unique_ptr<WalkBuffers> take();
@@ -185,6 +186,7 @@ class NativeWalk {
   std::optional<std::string> fallback() const { return fallback_; }
   // (node index, hook bits) of each node with hooks, in walk order.
   const std::vector<std::pair<int64_t, int64_t>>& hooked_nodes() const { return hooked_nodes_; }
+  const std::vector<std::pair<int64_t, int64_t>>& aliases() const { return aliases_; }
   py::tuple root_edges() const;
   py::tuple input_edges() const;
 
@@ -206,6 +208,7 @@ class NativeWalk {
   inline void read_saved(const NodePtr& node, ReadSaved read);
   inline void collect_saved(const NodePtr& node);
   inline void check_node_hooks(size_t i, Node& node, AccumulateGrad* acc);
+  inline void put_aliases();
 
   std::unique_ptr<WalkBuffers> buffers_ = WalkBuffers::take();
   std::vector<NodePtr>& nodes_ = buffers_->nodes;
@@ -223,6 +226,7 @@ class NativeWalk {
   std::optional<std::string> unsupported_;  // this graph needs the Python walk
   std::optional<std::string> fallback_;  // this backward must run eagerly
   std::vector<std::pair<int64_t, int64_t>> hooked_nodes_;
+  std::vector<std::pair<int64_t, int64_t>> aliases_;  // (saved index, the first saved index of the same tensor)
 };
 
 std::unique_ptr<NativeWalk> walk(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs,

@@ -194,8 +194,12 @@ def _short_path_digest(key) -> int | None:
 def structure_of(key) -> tuple:
     """The part of a key that names the graph, not the sizes: node types, edges, roots, inputs."""
     backend, mode, _root_metas, roots, inputs, nodes = key
-    # hooks added or removed are a guard of the same structure (explain_miss names them)
-    return (backend, mode, roots, inputs, tuple(e[:2] if isinstance(e[0], type) else e for e in nodes if e[0] != "hooks"))
+    return (backend, mode, roots, inputs, tuple(e[:2] if isinstance(e[0], type) else e for e in nodes if e[0] not in GUARDS))
+
+
+# Key fields that guard one structure: hooks added or removed, saved tensors that are one tensor
+# on one call and two on another (explain_miss names them).
+GUARDS = ("hooks", "aliases")
 
 
 HOOK_NAMES = ((1, "tensor hooks"), (2, "pre-hooks"), (4, "post-hooks"), (8, "post-accumulate-grad hooks"))
@@ -203,6 +207,10 @@ HOOK_NAMES = ((1, "tensor hooks"), (2, "pre-hooks"), (4, "post-hooks"), (8, "pos
 
 def _hooks_of(nodes) -> dict:
     return next((dict(e[1]) for e in nodes if e[0] == "hooks"), {})
+
+
+def _aliases_of(nodes) -> dict:
+    return next((dict(e[1]) for e in nodes if e[0] == "aliases"), {})
 
 
 def _explain_hooks(old: dict, new: dict, classes) -> str:
@@ -233,6 +241,9 @@ def explain_miss(old, new, classes) -> str:
     hooks_old, hooks_new = _hooks_of(old[-1]), _hooks_of(new[-1])
     if hooks_old != hooks_new:
         return _explain_hooks(hooks_old, hooks_new, classes)
+    aliases_old, aliases_new = _aliases_of(old[-1]), _aliases_of(new[-1])
+    if aliases_old != aliases_new and all(a == b for a, b in zip(old[-1], new[-1]) if isinstance(a[0], type)):
+        return f"saved tensors that are one tensor changed: slots {aliases_old or 'none'} -> {aliases_new or 'none'}"
     for i, (a, b) in enumerate(zip(old[-1], new[-1])):
         if a == b:
             continue

@@ -463,6 +463,8 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
             raise Fallback(w.hook_reason)
         w.native_key = True
         w.node_hooks = native_w.node_hooks  # read on every node (the Python walk asks only once hooks were seen)
+        if w.aliases:  # one input for two slots only where the cache's key, the native one, says they are one
+            w.aliases = native_walk.confirmed_aliases(native_w, w)
     refused = _note_miss(w, key, py_key)
     if refused is not None:
         return refused

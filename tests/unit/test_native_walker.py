@@ -122,6 +122,9 @@ def _variants(kind: str):
     if kind == "dim":  # one saved dimension list (sum's `dim`), same shapes: the node is a square's
         sq = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
         return (lambda: (sq.sum(0) * torch.arange(4.0)).sum()), (lambda: (sq.sum(1) * torch.arange(4.0)).sum()), [sq]
+    if kind == "alias":  # two saved tensors are one tensor, then two of the same metadata
+        c, d = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+        return (lambda: ((a * c).tanh() * (a * c)).sum()), (lambda: ((a * c).tanh() * (a * d)).sum()), [a]
     if kind == "edge":  # one edge leads elsewhere: same node types, same sizes
         c = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
         return (lambda: (a * c + a).sum()), (lambda: (a * c + c).sum()), [a, c]
@@ -129,7 +132,7 @@ def _variants(kind: str):
 
 
 @pytest.mark.parametrize("walker", WALKERS)
-@pytest.mark.parametrize("kind", ["stride", "dtype", "scalar", "dim", "edge"])
+@pytest.mark.parametrize("kind", ["stride", "dtype", "scalar", "dim", "edge", "alias"])
 def test_a_graph_differing_in_one_guard_is_a_miss(kind, walker, monkeypatch):
     _use(walker, monkeypatch)
     first, second, leaves = _variants(kind)
@@ -142,6 +145,39 @@ def test_a_graph_differing_in_one_guard_is_a_miss(kind, walker, monkeypatch):
         s = gpuautograd.stats()
         assert (s["captures"], s["cache_hits"]) == expected, (kind, s)
         assert s["walker"] == walker
+
+
+def test_saved_tensors_are_one_tensor_by_object_not_by_data():
+    # FSDP frees a parameter's storage after the forward and refills it before the backward uses
+    # it: at the walk, every freed tensor's data pointer is null, yet each is its own tensor. A
+    # view of the same data is another tensor too (its metadata could change apart).
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    for t in (a, b):
+        t.untyped_storage().resize_(0)
+    assert a.data_ptr() == b.data_ptr()
+    assert walk_module.saved_aliases([a, b, a, a.view(16), b]) == ((2, 0), (4, 1))
+
+
+@pytest.mark.parametrize("walker", WALKERS)
+def test_a_tensor_two_nodes_save_is_read_once_and_a_call_where_they_differ_misses(walker, monkeypatch):
+    # The input c that both a * c and (a * c).exp()'s mul save is one program input; the key holds
+    # that, so a call with two tensors there (same metadata) is a miss that says so, not a hit
+    # that reads c for d.
+    _use(walker, monkeypatch)
+    torch.manual_seed(0)
+    a = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    c, d = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    one = lambda: ((a * c).exp() * (a * c)).sum()  # noqa: E731
+    two = lambda: ((a * c).exp() * (a * d)).sum()  # noqa: E731
+    saved_inputs = lambda e: [v for v, spec in e.program.inputs if spec.kind == "saved"]  # noqa: E731
+    assert len(saved_inputs(gpuautograd.explain(two()))) == len(saved_inputs(gpuautograd.explain(one()))) + 1
+    gpuautograd.reset()
+    for make in (one, two, one, two):
+        (ours,) = gpuautograd.grad(make(), [a])
+        assert_close(ours, torch.autograd.grad(make(), [a])[0])
+    s = gpuautograd.stats()
+    assert (s["captures"], s["cache_hits"], s["walker"]) == (2, 2, walker), s
+    assert s["miss_reasons"][1].startswith("saved tensors that are one tensor changed"), s["miss_reasons"]
 
 
 @pytest.mark.parametrize("walker", WALKERS)

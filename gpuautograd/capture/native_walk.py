@@ -157,14 +157,10 @@ def saved_permutation(w: NativeWalk, pw: Walk) -> list[int]:
     return perm
 
 
-def confirmed_aliases(w: NativeWalk, pw: Walk) -> dict[int, int]:
+def confirmed_aliases(w: NativeWalk, pw: Walk, perm: list[int]) -> dict[int, int]:
     """The Python walk's aliases (slot -> first slot of the same tensor) that the native key holds
-    too: a slot pair the plan reads as one tensor must be one on every call that hits its key. A
-    walk whose saved tensors don't line up keeps none (the capture then says why it runs eagerly)."""
-    try:
-        perm = saved_permutation(w, pw)
-    except RuntimeError:
-        return {}
+    too, through `perm` (saved_permutation): a slot pair the plan reads as one tensor must be one
+    on every call that hits its key."""
     native_first = dict(w.native.aliases)
     first = lambda k: native_first.get(perm[k], perm[k])  # noqa: E731
     return {slot: j for slot, j in pw.aliases.items() if first(slot) == first(j)}

@@ -205,12 +205,9 @@ GUARDS = ("hooks", "aliases")
 HOOK_NAMES = ((1, "tensor hooks"), (2, "pre-hooks"), (4, "post-hooks"), (8, "post-accumulate-grad hooks"))
 
 
-def _hooks_of(nodes) -> dict:
-    return next((dict(e[1]) for e in nodes if e[0] == "hooks"), {})
-
-
-def _aliases_of(nodes) -> dict:
-    return next((dict(e[1]) for e in nodes if e[0] == "aliases"), {})
+def _guard_of(nodes, name: str) -> dict:
+    """A guard field of a key's node list ("hooks" or "aliases") as a dict; empty where absent."""
+    return next((dict(e[1]) for e in nodes if e[0] == name), {})
 
 
 def _explain_hooks(old: dict, new: dict, classes) -> str:
@@ -238,14 +235,11 @@ def explain_miss(old, new, classes) -> str:
             if name == "root gradients":
                 return f"root gradient changed: {', '.join(map(_fmt_meta, a))} -> {', '.join(map(_fmt_meta, b))}"
             return f"{name} changed: {a!r} -> {b!r}"
-    hooks_old, hooks_new = _hooks_of(old[-1]), _hooks_of(new[-1])
+    hooks_old, hooks_new = _guard_of(old[-1], "hooks"), _guard_of(new[-1], "hooks")
     if hooks_old != hooks_new:
         return _explain_hooks(hooks_old, hooks_new, classes)
-    aliases_old, aliases_new = _aliases_of(old[-1]), _aliases_of(new[-1])
-    if aliases_old != aliases_new and all(a == b for a, b in zip(old[-1], new[-1]) if isinstance(a[0], type)):
-        return f"saved tensors that are one tensor changed: slots {aliases_old or 'none'} -> {aliases_new or 'none'}"
     for i, (a, b) in enumerate(zip(old[-1], new[-1])):
-        if a == b:
+        if a == b or a[0] in GUARDS:
             continue
         if not isinstance(a[0], type):
             return f"retained tensors changed: {a!r} -> {b!r}"
@@ -260,4 +254,7 @@ def explain_miss(old, new, classes) -> str:
                 if x != y:
                     return f"{where} saved {name}: {_fmt_meta(x)} -> {_fmt_meta(y)}"
         return f"{where}: {a[3]!r} -> {b[3]!r}"
+    aliases_old, aliases_new = _guard_of(old[-1], "aliases"), _guard_of(new[-1], "aliases")
+    if aliases_old != aliases_new:
+        return f"saved tensors that are one tensor changed: slots {aliases_old or 'none'} -> {aliases_new or 'none'}"
     return "new graph structure"

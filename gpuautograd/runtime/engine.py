@@ -463,18 +463,22 @@ def _capture(w, key, grads, root_edges, input_edges, accumulate: bool) -> Entry:
             raise Fallback(w.hook_reason)
         w.native_key = True
         w.node_hooks = native_w.node_hooks  # read on every node (the Python walk asks only once hooks were seen)
-        if w.aliases:  # one input for two slots only where the cache's key, the native one, says they are one
-            w.aliases = native_walk.confirmed_aliases(native_w, w)
     refused = _note_miss(w, key, py_key)
     if refused is not None:
         return refused
     st.captures += 1
-    entry = build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
-    if native_w is not None and entry.program is not None:
+    perm = misaligned = None
+    if native_w is not None:
         try:
             perm = native_walk.saved_permutation(native_w, w)
-        except RuntimeError as e:  # never guess an argument: this graph runs eagerly, and says why
-            reason = f"the native walker's saved tensors don't line up with the Python walk's ({e}); "
+        except RuntimeError as e:
+            misaligned = e
+        else:  # one input for two slots only where the cache's key, the native one, says they are one
+            w.aliases = native_walk.confirmed_aliases(native_w, w, perm)
+    entry = build_entry(w, grads, root_edges, input_edges, accumulate, key[0])
+    if native_w is not None and entry.program is not None:
+        if misaligned is not None:  # never guess an argument: this graph runs eagerly, and says why
+            reason = f"the native walker's saved tensors don't line up with the Python walk's ({misaligned}); "
             reason += "with GPUAUTOGRAD_NATIVE=0 this graph runs functionally"
             entry = Entry(program=None, compiled=None, fallback_reason=reason)
         else:
